@@ -1,0 +1,177 @@
+"""Checkpoint files: the run folder, full training state through Accelerate, final weights.
+
+Every file is written under a temporary name and renamed into place, so a process killed while
+writing leaves the previous file or checkpoint intact (BRIEF.md: a checkpoint killed mid-write is
+lost otherwise).
+"""
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
+from safetensors.torch import load_file, save_file
+
+from common.errors import UserError
+
+CHECKPOINT_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+
+
+def new_run_dir(script: str, root: str = "runs") -> Path:
+    """A folder name no earlier run has used: runs/<script>-<date>-<time>[-N]."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = Path(root) / f"{script}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"{script}-{stamp}-{n}"
+    return path
+
+
+def resolve_output_dir(accelerator, output_dir: str | None, resume: bool, script: str) -> Path:
+    """The run folder: the given one, or a new runs/<script>-<time> named by the main process."""
+    path = Path(output_dir) if output_dir else new_run_dir(script)
+    path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
+    check_output_dir(path, resume)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check_output_dir(output_dir: Path, resume: bool) -> None:
+    """Never overwrite a run silently: a used folder needs --resume, --resume needs a checkpoint."""
+    if resume:
+        if not output_dir.is_dir():
+            raise UserError(f"--resume: {output_dir} does not exist; pass the --output-dir of the run "
+                            f"to continue")
+        if latest_checkpoint(output_dir) is None:
+            raise UserError(f"--resume: no complete checkpoint in {output_dir / CHECKPOINT_DIR}; "
+                            f"start a new run without --resume")
+    elif output_dir.exists() and any(output_dir.iterdir()):
+        what = "a run" if (output_dir / "config.json").exists() else "files"
+        raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to continue it, "
+                        f"or choose another --output-dir")
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step; unfinished temporary folders do not count."""
+    folder = Path(output_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path:
+    """Full training state (model, optimizer, scheduler, RNGs, registered objects) at ``step``.
+
+    Every process must call this: save_state writes each process's RNG state and waits for all of
+    them (under ``if is_main_process`` it would hang). The main process then renames the finished
+    folder into place and removes the oldest checkpoints beyond ``keep``.
+    """
+    folder = Path(output_dir) / CHECKPOINT_DIR
+    final, partial = folder / f"step_{step:08d}", folder / f".tmp-step_{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # a leftover from a process killed while saving
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _fsync_tree(partial)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _fsync_dir(folder)
+        older = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
+        for _, path in older[:-keep]:
+            shutil.rmtree(path)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str]) -> None:
+    """The final weights as a plain state dict in safetensors: loads into an unwrapped model."""
+    state = {k: v.detach().cpu().contiguous() for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
+    partial = Path(path).with_name(f".tmp-{Path(path).name}")
+    save_file(state, str(partial), metadata=metadata)
+    _fsync_file(partial)
+    os.replace(partial, path)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from our safetensors or from a torch.save'd file of another script.
+
+    Accepts a plain state dict, one nested under "state_dict" or "model", and keys prefixed with
+    ``module.`` (saved from a DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--weights {path}: no such file")
+    try:
+        if path.suffix == ".safetensors":
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise UserError(f"--weights {path}: cannot read it ({type(error).__name__}: {error}); pass a "
+                        f".safetensors file or a torch.save'd state dict") from None
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"--weights {path}: not a state dict of tensors")
+    return strip_wrapper_prefixes(state)
+
+
+def strip_wrapper_prefixes(state: dict) -> dict:
+    """Remove the key prefixes that DataParallel/DDP (``module.``) and torch.compile add."""
+    def clean(key: str) -> str:
+        while key.startswith(_WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        return key
+    return {clean(k): v for k, v in state.items()}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync_file(Path(root) / name)
+        _fsync_dir(Path(root))
+
+
+class TrainProgress:
+    """Where training stands, saved in every checkpoint (``accelerator.register_for_checkpointing``).
+
+    ``step`` counts optimizer steps over the whole run; ``batch_in_epoch`` lets a resumed run skip
+    the batches of the current epoch it has already trained on; ``history`` holds the metrics of
+    finished epochs, so metrics.jsonl can be rewritten to match the checkpoint being resumed.
+    """
+
+    def __init__(self):
+        self.epoch, self.step, self.batch_in_epoch, self.history = 0, 0, 0, []
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
+                "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])

@@ -1,0 +1,87 @@
+"""The flags every training script shares, so the same flag means the same thing everywhere."""
+
+import argparse
+
+from common.data import DATASETS
+from common.errors import UserError
+from common.models import model_names
+
+
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the shared flags; a script adds only the flags of its own strategy."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", default="cifar10", choices=DATASETS,
+                      help="cifar10/cifar100 come from the Hugging Face Hub (uoft-cs/...); synthetic is made "
+                           "on the spot, needs no download and suits a CPU (default: %(default)s)")
+    data.add_argument("--data-dir", default=None,
+                      help="read the data from this folder or archive instead of the Hub: a Hub snapshot "
+                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or "
+                           "train/<class>/*.png + test/<class>/*.png")
+    data.add_argument("--cache-dir", default=None,
+                      help="where decoded uint8 tensors are cached (default: $CIFAR_CACHE_DIR or "
+                           "~/.cache/multigpu-cifar)")
+    data.add_argument("--synthetic-train-size", type=int, default=5000,
+                      help="images in the synthetic training split (default: %(default)s)")
+    data.add_argument("--synthetic-test-size", type=int, default=1000,
+                      help="images in the synthetic test split (default: %(default)s)")
+    data.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
+                      help="random crop (4-pixel padding) and horizontal flip of training batches "
+                           "(default: on)")
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--model", default="resnet18",
+                       help=f"one of {', '.join(model_names())}, or torchvision:NAME for any torchvision "
+                            "classifier with its ImageNet stem (default: %(default)s)")
+    train.add_argument("--epochs", type=int, default=15, help="passes over the training split (default: %(default)s)")
+    train.add_argument("--batch-size", type=int, default=128,
+                       help="GLOBAL batch: images per optimizer step summed over all devices and processes; "
+                            "each device gets batch-size / devices (default: %(default)s)")
+    train.add_argument("--lr", type=float, default=0.1,
+                       help="peak learning rate of the schedule (default: %(default)s)")
+    train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, Nesterov (default: %(default)s)")
+    train.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay (default: %(default)s)")
+    train.add_argument("--label-smoothing", type=float, default=0.0,
+                       help="label smoothing of the cross-entropy, 0 for none (default: %(default)s)")
+    train.add_argument("--schedule", default="onecycle", choices=("onecycle", "step"),
+                       help="onecycle: warm-up then cosine decay to ~0; step: lr divided by 10 at each "
+                            "of --milestones (default: %(default)s)")
+    train.add_argument("--milestones", type=int, nargs="+", default=[4, 9, 14],
+                       help="epochs after which the step schedule divides the lr by 10; the articles' "
+                            "recipe is 4 9 14 with 15 epochs (default: %(default)s)")
+    train.add_argument("--warmup-epochs", type=float, default=1.0,
+                       help="linear warm-up length in epochs, for both schedules; 0 for none "
+                            "(default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="seed of initialisation, shuffling and augmentation (default: %(default)s)")
+    train.add_argument("--max-steps", type=int, default=None,
+                       help="stop after this many optimizer steps in all (counted from the start of the "
+                            "run, resumes included), with a checkpoint; for tests and benchmarks")
+
+    run = parser.add_argument_group("run record")
+    run.add_argument("--output-dir", default=None,
+                     help="folder of the run record and checkpoints (default: a new runs/<script>-<time>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --output-dir from its newest checkpoint")
+    run.add_argument("--keep-checkpoints", type=int, default=2,
+                     help="how many of the newest checkpoints to keep (default: %(default)s)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject values argparse cannot: one line naming the flag, the value and what to do."""
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
+                "--synthetic-train-size": args.synthetic_train_size,
+                "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints}
+    if args.max_steps is not None:
+        positive["--max-steps"] = args.max_steps
+    for flag, value in positive.items():
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be 1 or more")
+    if args.lr <= 0:
+        raise UserError(f"--lr {args.lr}: must be positive")
+    if args.warmup_epochs < 0:
+        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be 0 or more")
+    if args.resume and args.output_dir is None:
+        raise UserError("--resume needs --output-dir: the folder of the run to continue")

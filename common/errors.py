@@ -1,0 +1,13 @@
+"""The one exception the scripts raise for bad input: printed as one line, no traceback."""
+
+
+class UserError(SystemExit):
+    """Wrong input or environment that the user can fix.
+
+    A SystemExit subclass, so an uncaught one prints only ``error: <message>`` on stderr and
+    exits with status 1; the message says what was wrong and what to do, in one line.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+        self.message = message

@@ -1,0 +1,62 @@
+"""The run record: config.json, metrics.jsonl and the one log line every script prints."""
+
+import json
+import os
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from common.errors import UserError
+
+# Flags that may change between a run and its resume; any other change would make the resumed run
+# a different experiment.
+RESUMABLE_FLAGS = {"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints"}
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("torch", "torchvision", "accelerate", "datasets", "wandb"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON under a temporary name, then rename: never a half-written file."""
+    partial = Path(path).with_name(f".tmp-{Path(path).name}")
+    partial.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(partial, path)
+
+
+def write_config(output_dir: Path, args, derived: dict) -> None:
+    """config.json: the resolved flags, then what was derived from them and the environment."""
+    write_json(Path(output_dir) / "config.json",
+               {"args": vars(args), **derived, "versions": versions(), "command": sys.argv})
+
+
+def check_resume_config(output_dir: Path, args) -> None:
+    """A resumed run must be the same experiment: same flags, except the resumable ones."""
+    saved = json.loads((Path(output_dir) / "config.json").read_text())["args"]
+    for key, value in vars(args).items():
+        if key not in RESUMABLE_FLAGS and key in saved and saved[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} used {saved[key]!r}; "
+                            f"resume with the same {flag} or start a new run")
+
+
+def write_metrics(output_dir: Path, history: list[dict]) -> None:
+    """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the checkpoint."""
+    partial = Path(output_dir) / ".tmp-metrics.jsonl"
+    partial.write_text("".join(json.dumps(m) + "\n" for m in history))
+    os.replace(partial, Path(output_dir) / "metrics.jsonl")
+
+
+def log_line(m: dict) -> str:
+    """The one greppable line per epoch, in the vocabulary of metrics.jsonl."""
+    return (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} lr={m['lr']:.4g} "
+            f"train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
+            f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
+            f"data_wait_frac={m['data_wait_frac']:.3f}")

@@ -1,0 +1,165 @@
+"""Train an image classifier on one device: the baseline every other script builds on.
+
+One process, one device (the GPU if there is one, else the CPU), through Hugging Face Accelerate.
+The other scripts are this file plus only what their strategy needs; read them as diffs
+(docs/diffs/). What this one shows:
+
+- data decoded once into uint8 tensors and augmented on the device, a whole batch at a time;
+- SGD with Nesterov momentum and a one-cycle (default) or step learning-rate schedule;
+- evaluation on the test split, one log line and one metrics.jsonl record per epoch;
+- full training state saved every epoch with save_state, and --resume that continues bit for bit.
+
+Launch:
+    python scripts/train_single.py                       # CIFAR-10 from the Hub, ResNet-18, 15 epochs
+    accelerate launch --num_processes 1 scripts/train_single.py --model resnet50
+    python scripts/train_single.py --dataset synthetic --model resnet20 --epochs 4   # no download, CPU
+    python scripts/train_single.py --schedule step --warmup-epochs 0  # the articles' recipe: lr 0.1, /10
+                                                                      # after epochs 4, 9, 14
+Resume a stopped run (same flags, plus):
+    python scripts/train_single.py ... --output-dir runs/single-20260101-120000 --resume
+"""
+
+import json
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+
+from common.augment import BatchTransform, channel_stats
+from common.checkpoint import (TrainProgress, latest_checkpoint, resolve_output_dir, save_checkpoint,
+                               save_weights)
+from common.cli import build_parser, check_args
+from common.data import load_image_data
+from common.errors import UserError
+from common.evaluation import evaluate
+from common.launch import require_single_process
+from common.loader import tensor_loader
+from common.models import build_model
+from common.optim import build_optimizer, build_scheduler
+from common.record import check_resume_config, log_line, write_config, write_metrics
+
+
+def parse_args(argv=None):
+    args = build_parser(__doc__).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def main(args):
+    # ----------------------------------------------------------------------------------- setup
+    require_single_process("train_single.py")
+    accelerator = Accelerator(
+        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    set_seed(args.seed)
+    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, "single")
+
+    # ------------------------------------------------------------------------------------ data
+    with accelerator.local_main_process_first():  # download and decode once, then read the cache
+        data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
+                               args.synthetic_test_size)
+    if len(data.train_labels) < args.batch_size:
+        raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
+                        f"training images: use a smaller --batch-size")
+    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment)
+    device = accelerator.device  # the whole dataset lives on the device: no copy per batch
+    train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
+                                 args.batch_size, shuffle=True, seed=args.seed)
+    test_loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device),
+                                args.batch_size, shuffle=False)
+
+    # ------------------------------------------------------------- model, optimizer, schedule
+    model = build_model(args.model, num_classes=len(data.classes))
+    optimizer = build_optimizer(model, args.lr, args.momentum, args.weight_decay)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
+                                args.warmup_epochs, args.milestones)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, test_loader, scheduler)
+
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        check_resume_config(output_dir, args)
+        checkpoint = latest_checkpoint(output_dir)
+        accelerator.load_state(str(checkpoint))
+        progress.history = [m for m in progress.history if m["epoch_complete"]]
+        accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
+    elif accelerator.is_main_process:
+        write_config(output_dir, args, {
+            "world_size": accelerator.num_processes, "device": str(device),
+            "per_device_batch_size": args.batch_size, "global_batch_size": args.batch_size,
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
+            "test_size": len(data.test_labels), "normalization": {"mean": transform.mean.flatten().tolist(),
+                                                                  "std": transform.std.flatten().tolist()}})
+    stop_step = min(total_steps, args.max_steps or total_steps)
+    accelerator.print(f"train_single: {args.model} on {device}, {len(data.train_labels)} training images "
+                      f"({data.source}), batch {args.batch_size}, {steps_per_epoch} steps/epoch, "
+                      f"{total_steps} steps in all, record in {output_dir}")
+
+    # ----------------------------------------------------------------------------------- train
+    for epoch in range(progress.epoch, args.epochs):
+        if progress.step >= stop_step:
+            break
+        model.train()
+        train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
+        # After a mid-epoch resume, start at the first batch this epoch has not trained on.
+        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
+        loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
+        start = tick = time.perf_counter()
+        for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                                   disable=not accelerator.is_main_process):
+            # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
+            images = transform.train(images, seed=(args.seed, progress.step))
+            data_wait += time.perf_counter() - tick
+            loss = criterion(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            optimizer.step()
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            progress.step += 1
+            progress.batch_in_epoch += 1
+            loss_sum += loss.detach()
+            trained += 1
+            if progress.step >= stop_step:
+                break
+            tick = time.perf_counter()
+        train_loss = loss_sum.item() / trained  # .item() waits for the device, so the time is true
+        epoch_time = time.perf_counter() - start
+        epoch_complete = progress.batch_in_epoch == steps_per_epoch
+        if epoch_complete:
+            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
+
+        # ------------------------------------------------------- evaluate, record, checkpoint
+        result = evaluate(model, test_loader, transform, accelerator, len(data.classes))
+        metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
+                   "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
+                   "test_acc": result.accuracy, "epoch_time_s": epoch_time,
+                   "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
+        progress.history.append(metrics)
+        if accelerator.is_main_process:
+            write_metrics(output_dir, progress.history)
+        accelerator.print(log_line(metrics))
+        save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------- finish
+    if accelerator.is_main_process:
+        # unwrap_model strips any wrapper, so the file loads into a plain model of the same name.
+        save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
+                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+    final = progress.history[-1] if progress.history else None
+    accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
+                      f"- weights in {output_dir / 'model.safetensors'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(parse_args())
