@@ -10,27 +10,12 @@ from common.models import model_names
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the shared flags; a script adds only the flags of its own strategy."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset", default="cifar10", choices=DATASETS,
-                      help="cifar10/cifar100 come from the Hugging Face Hub (uoft-cs/...); synthetic is made "
-                           "on the spot, needs no download and suits a CPU (default: %(default)s)")
-    data.add_argument("--data-dir", default=None,
-                      help="read the data from this folder or archive instead of the Hub: a Hub snapshot "
-                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or "
-                           "train/<class>/*.png + test/<class>/*.png")
-    data.add_argument("--cache-dir", default=None,
-                      help="where decoded uint8 tensors are cached (default: $CIFAR_CACHE_DIR or "
-                           "~/.cache/multigpu-cifar)")
-    data.add_argument("--synthetic-train-size", type=int, default=5000,
-                      help="images in the synthetic training split (default: %(default)s)")
-    data.add_argument("--synthetic-test-size", type=int, default=1000,
-                      help="images in the synthetic test split (default: %(default)s)")
-    data.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
-                      help="random crop (4-pixel padding) and horizontal flip of training batches "
-                           "(default: on)")
+    add_data_args(parser)
 
     train = parser.add_argument_group("training")
+    train.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
+                       help="random crop (4-pixel padding) and horizontal flip of training batches "
+                            "(default: on)")
     train.add_argument("--model", default="resnet18",
                        help=f"one of {', '.join(model_names())}, or torchvision:NAME for any torchvision "
                             "classifier with its ImageNet stem (default: %(default)s)")
@@ -67,6 +52,26 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", type=int, default=2,
                      help="how many of the newest checkpoints to keep (default: %(default)s)")
     return parser
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Where the images come from: the same flags for training and for scripts/evaluate.py."""
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", default="cifar10", choices=DATASETS,
+                      help="cifar10/cifar100 come from the Hugging Face Hub (uoft-cs/...); synthetic is made "
+                           "on the spot, needs no download and suits a CPU (default: %(default)s)")
+    data.add_argument("--data-dir", default=None,
+                      help="read the data from this folder or archive instead of the Hub: a Hub snapshot "
+                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or "
+                           "train/<class>/*.png + test/<class>/*.png")
+    data.add_argument("--cache-dir", default=None,
+                      help="where decoded uint8 tensors are cached (default: $CIFAR_CACHE_DIR or "
+                           "~/.cache/multigpu-cifar)")
+    data.add_argument("--synthetic-train-size", type=int, default=5000,
+                      help="images in the synthetic training split (default: %(default)s)")
+    data.add_argument("--synthetic-test-size", type=int, default=1000,
+                      help="images in the synthetic test split (default: %(default)s)")
+
 
 
 def check_args(args: argparse.Namespace) -> None:

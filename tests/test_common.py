@@ -1,0 +1,156 @@
+"""The pieces of common/ that the scripts rely on: augmentation, loader, schedule, checkpoint files."""
+
+import json
+
+import pytest
+import torch
+
+from common.augment import BatchTransform, channel_stats
+from common.checkpoint import latest_checkpoint, load_weights, save_weights, strip_wrapper_prefixes
+from common.errors import UserError
+from common.loader import tensor_loader
+from common.optim import build_optimizer, build_scheduler
+from common.record import log_line
+
+
+def images(n=16, seed=0):
+    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------- augmentation
+
+def test_augmentation_is_deterministic_for_a_seed_and_varies_with_it():
+    transform, batch = BatchTransform([0, 0, 0], [1, 1, 1]), images()
+    a, b, c = (transform.train(batch, seed=s) for s in [(0, 5), (0, 5), (0, 6)])
+    assert a.shape == (16, 3, 32, 32) and a.dtype == torch.float32
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_crop_and_flip_match_a_per_image_reference():
+    """Each output image is the zero-padded input cropped at some offset, maybe flipped."""
+    transform, batch = BatchTransform([0, 0, 0], [1, 1, 1]), images()
+    out = transform.crop_and_flip(batch, torch.Generator().manual_seed(3))
+    padded = torch.nn.functional.pad(batch, (4, 4, 4, 4))
+    flips = 0
+    for image, result in zip(padded, out):
+        candidates = {(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)
+                      if torch.equal(result, (lambda crop: crop.flip(2) if flip else crop)(
+                          image[:, top:top + 32, left:left + 32]))}
+        assert candidates, "an output image is not a crop of its padded input"
+        flips += all(flip for _, _, flip in candidates)
+    assert 0 < flips < len(batch)  # some flipped, some not
+
+
+def test_normalisation_uses_the_data_statistics():
+    batch = images(64)
+    mean, std = channel_stats(batch, chunk=10)
+    assert torch.allclose(torch.tensor(mean), batch.float().mean(dim=(0, 2, 3)), atol=1e-3)
+    assert torch.allclose(torch.tensor(std), batch.float().std(dim=(0, 2, 3), unbiased=False), atol=1e-3)
+    normalised = BatchTransform(mean, std).eval(batch)
+    assert normalised.mean().abs() < 1e-3 and (normalised.std() - 1).abs() < 1e-2
+
+
+def test_no_augment_only_normalises():
+    batch = images()
+    transform = BatchTransform([10, 20, 30], [2, 2, 2], augment=False)
+    assert torch.equal(transform.train(batch, seed=(0, 1)), transform.eval(batch))
+
+
+# ------------------------------------------------------------------------------------ loader
+
+def test_loader_yields_whole_shuffled_batches_of_the_right_pairs():
+    x = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1).expand(10, 3, 2, 2).contiguous()
+    y = torch.arange(10)
+    loader = tensor_loader(x, y, batch_size=4, shuffle=True, seed=0)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 2  # the partial last batch is dropped for training
+    for xb, yb in batches:
+        assert xb.shape == (4, 3, 2, 2) and torch.equal(xb[:, 0, 0, 0].long(), yb)
+    seen = torch.cat([yb for _, yb in batches])
+    assert len(set(seen.tolist())) == 8 and not torch.equal(seen, torch.arange(8))
+    test = list(tensor_loader(x, y, batch_size=4, shuffle=False))
+    assert torch.equal(torch.cat([yb for _, yb in test]), y)  # evaluation keeps every image, in order
+
+
+# ---------------------------------------------------------------------------------- schedule
+
+def lrs(schedule, steps=20, per_epoch=4, warmup=0.0, milestones=()):
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), lr=0.1, momentum=0.9, weight_decay=0)
+    scheduler = build_scheduler(optimizer, schedule, steps, per_epoch, warmup, milestones)
+    seen = []
+    for _ in range(steps):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+def test_step_schedule_is_the_articles_recipe():
+    seen = lrs("step", steps=60, per_epoch=4, milestones=[4, 9, 14])
+    per_epoch = [seen[e * 4] for e in range(15)]
+    assert per_epoch == pytest.approx([0.1] * 4 + [0.01] * 5 + [0.001] * 5 + [0.0001])
+
+
+def test_onecycle_warms_up_to_the_peak_then_decays():
+    seen = lrs("onecycle", steps=40, per_epoch=4, warmup=2)
+    peak = max(range(40), key=seen.__getitem__)
+    assert seen[peak] == pytest.approx(0.1) and peak == 7  # two epochs of 4 steps
+    assert seen[0] == pytest.approx(0.1 / 25)
+    assert all(a <= b for a, b in zip(seen[:peak], seen[1:peak + 1]))
+    assert all(a >= b for a, b in zip(seen[peak:], seen[peak + 1:])) and seen[-1] < 1e-4
+
+
+def test_step_schedule_with_warmup():
+    seen = lrs("step", steps=12, per_epoch=4, warmup=1, milestones=[2])
+    assert seen[:4] == pytest.approx([0.025, 0.05, 0.075, 0.1]) and seen[8] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+def test_prefixes_of_wrapped_models_are_stripped(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    wrapped = torch.nn.DataParallel(model)
+    assert list(strip_wrapper_prefixes(wrapped.state_dict())) == list(model.state_dict())
+    assert list(strip_wrapper_prefixes({"_orig_mod.module.0.weight": 1})) == ["0.weight"]
+
+    # Every way another script may have saved it loads the same tensors.
+    files = {"plain.pt": model.state_dict(), "wrapped.pth": wrapped.state_dict(),
+             "nested.bin": {"state_dict": wrapped.state_dict(), "epoch": 3}}
+    for name, obj in files.items():
+        torch.save(obj, tmp_path / name)
+        loaded = load_weights(tmp_path / name)
+        assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items()), name
+
+
+def test_save_weights_writes_a_plain_safetensors_file(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    save_weights(torch.nn.DataParallel(model).module, tmp_path / "model.safetensors", {"model": "x"})
+    loaded = load_weights(tmp_path / "model.safetensors")
+    assert set(loaded) == {"0.weight", "0.bias"}
+    assert not list(tmp_path.glob(".tmp-*"))  # nothing left behind
+
+
+def test_unreadable_weights_give_one_line(tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match=r"--weights .*broken.safetensors: cannot read it"):
+        load_weights(bad)
+    with pytest.raises(UserError, match="no such file"):
+        load_weights(tmp_path / "missing.pt")
+
+
+def test_latest_checkpoint_ignores_unfinished_ones(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for name in ["step_00000010", "step_00000200", ".tmp-step_00000300", "step_00000030"]:
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert latest_checkpoint(tmp_path).name == "step_00000200"
+
+
+# ------------------------------------------------------------------------------------ record
+
+def test_log_line_is_one_greppable_line():
+    m = {"epoch": 3, "epochs": 15, "step": 1173, "batch_size": 128, "lr": 0.05, "train_loss": 0.81234,
+         "test_acc": 0.71249, "epoch_time_s": 13.21, "img_per_s": 3790.4, "data_wait_frac": 0.0123}
+    assert log_line(m) == ("epoch=3/15 step=1173 batch=128 lr=0.05 train_loss=0.8123 test_acc=0.7125 "
+                           "epoch_time_s=13.2 img_per_s=3790 data_wait_frac=0.012")
+    json.dumps(m)  # metrics are plain JSON
