@@ -16,11 +16,13 @@ class BatchTransform:
     (see ``channel_stats``), so any dataset gets its own normalisation.
     """
 
-    def __init__(self, mean, std, augment: bool = True, padding: int = 4):
+    def __init__(self, mean, std, augment: bool = True, padding: int = 4, channels_last: bool = False):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.augment = augment
         self.padding = padding
+        # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def train(self, images: torch.Tensor, seed: tuple[int, ...]) -> torch.Tensor:
         """Augment and normalise a uint8 batch; the same seed gives the same batch.
@@ -40,7 +42,7 @@ class BatchTransform:
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         mean, std = self.mean.to(images.device), self.std.to(images.device)
-        return (images.float() - mean) / std
+        return ((images.float() - mean) / std).contiguous(memory_format=self.memory_format)
 
     def crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         b, c, h, w = images.shape

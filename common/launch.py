@@ -17,3 +17,18 @@ def require_single_process(script: str) -> None:
         raise UserError(f"{script} trains in one process but was launched as {world_size} processes "
                         f"(WORLD_SIZE={world_size}): use scripts/train_ddp.py for several processes, or "
                         f"launch with --num_processes 1")
+
+
+def check_world_size(accelerator) -> None:
+    """Accelerate must see every process the launcher started.
+
+    Without CUDA, ``Accelerator()`` under torchrun gives each process DistributedType.NO: N
+    independent trainings on the full data, and no error (BRIEF.md). The scripts pass ``cpu=True``
+    on a CPU-only machine to get gloo; this check catches any other way into that trap.
+    """
+    world_size = launched_processes()
+    if accelerator.num_processes != world_size:
+        raise UserError(f"the launcher started {world_size} processes (WORLD_SIZE) but Accelerate runs "
+                        f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
+                        f"alone on all the data; launch with accelerate launch --multi_gpu (or a MULTI_GPU "
+                        f"config) or torchrun, on a machine whose devices torch can see")

@@ -19,12 +19,12 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
     step: linear warm-up, then the lr times ``gamma`` after each milestone epoch (the articles'
     recipe: 0.1, divided by 10 after epochs 4, 9 and 14).
     """
-    warmup_steps = round(warmup_epochs * steps_per_epoch)
+    # A warm-up as long as the run leaves one step of decay: OneCycleLR needs both phases.
+    warmup_steps = min(round(warmup_epochs * steps_per_epoch), total_steps - 1)
     if schedule == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=optimizer.defaults["lr"], total_steps=total_steps,
-            pct_start=min(max(warmup_steps / total_steps, 0.0), 1.0), anneal_strategy="cos",
-            cycle_momentum=False)
+            pct_start=warmup_steps / total_steps, anneal_strategy="cos", cycle_momentum=False)
     milestone_steps = sorted(m * steps_per_epoch for m in milestones)
 
     def factor(step: int) -> float:

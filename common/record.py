@@ -54,9 +54,18 @@ def write_metrics(output_dir: Path, history: list[dict]) -> None:
     os.replace(partial, Path(output_dir) / "metrics.jsonl")
 
 
+# Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
+OPTIONAL_FIELDS = ("loss_scale", "skipped_steps", "gpu_mem_alloc_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb")
+
+
 def log_line(m: dict) -> str:
     """The one greppable line per epoch, in the vocabulary of metrics.jsonl."""
-    return (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} lr={m['lr']:.4g} "
+    line = (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} lr={m['lr']:.4g} "
             f"train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
             f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
             f"data_wait_frac={m['data_wait_frac']:.3f}")
+    for key in OPTIONAL_FIELDS:
+        if key in m:  # a list holds one value per GPU: gpu_mem_peak_gb=5.21,3.02
+            value = m[key]
+            line += f" {key}=" + (",".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:g}")
+    return line

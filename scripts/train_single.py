@@ -94,14 +94,15 @@ def main(args):
     elif accelerator.is_main_process:
         write_config(output_dir, args, {
             "world_size": accelerator.num_processes, "device": str(device),
-            "per_device_batch_size": args.batch_size, "global_batch_size": args.batch_size,
+            "per_device_batch_size": args.batch_size,
+            "global_batch_size": args.batch_size, "lr": args.lr,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
             "test_size": len(data.test_labels), "normalization": {"mean": transform.mean.flatten().tolist(),
                                                                   "std": transform.std.flatten().tolist()}})
     stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"train_single: {args.model} on {device}, {len(data.train_labels)} training images "
-                      f"({data.source}), batch {args.batch_size}, {steps_per_epoch} steps/epoch, "
+    accelerator.print(f"train_single: {args.model} on {device}, batch {args.batch_size}, lr {args.lr:g}, "
+                      f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train

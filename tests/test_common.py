@@ -154,3 +154,22 @@ def test_log_line_is_one_greppable_line():
     assert log_line(m) == ("epoch=3/15 step=1173 batch=128 lr=0.05 train_loss=0.8123 test_acc=0.7125 "
                            "epoch_time_s=13.2 img_per_s=3790 data_wait_frac=0.012")
     json.dumps(m)  # metrics are plain JSON
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "step"])
+def test_warmup_as_long_as_the_run_still_works(schedule):
+    seen = lrs(schedule, steps=4, per_epoch=4, warmup=1)  # --epochs 1 with the default warm-up
+    assert len(seen) == 4 and all(0 < lr <= 0.1 for lr in seen)
+
+
+def test_log_line_appends_the_optional_fields_in_a_fixed_order():
+    m = {"epoch": 1, "epochs": 2, "step": 10, "batch_size": 8, "lr": 0.1, "train_loss": 1.0, "test_acc": 0.5,
+         "epoch_time_s": 1.0, "img_per_s": 80.0, "data_wait_frac": 0.01,
+         "gpu_mem_peak_gb": [5.214, 3.0], "loss_scale": 65536.0, "skipped_steps": 2}
+    assert log_line(m).endswith(" loss_scale=65536 skipped_steps=2 gpu_mem_peak_gb=5.21,3.00")
+
+
+def test_channels_last_batches():
+    out = BatchTransform([0, 0, 0], [1, 1, 1], channels_last=True).train(images(), seed=(0, 1))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, BatchTransform([0, 0, 0], [1, 1, 1]).train(images(), seed=(0, 1)))

@@ -1,0 +1,201 @@
+"""Train on several devices with DistributedDataParallel through Accelerate: train_single.py + DDP.
+
+One process per device, on one node or many. Each process holds a full copy of the model, trains
+on its own slice of every global batch, and DDP averages the gradients across processes during
+backward, so every copy takes the same optimizer step. PyTorch recommends this over
+nn.DataParallel even on one node. Without GPUs it runs on the CPU with the gloo backend, which is
+how the tests check it. Changes from train_single.py, each tagged "# DDP:" (docs/diffs/train_ddp.diff):
+
+- Accelerate on CPU when there is no GPU (else each process trains alone) and a check that it sees
+  every process the launcher started;
+- --batch-size stays the GLOBAL batch: each process takes its slice (split_batches), so the
+  recipe does not change with the number of devices;
+- --scale-lr (on): lr x global batch / --reference-batch-size (Goyal et al. 2017, with the
+  warm-up of --warmup-epochs); --no-scale-lr keeps --lr as given. In the source articles 4-GPU
+  DDP fell from 27 % to 14 % accuracy after one epoch because the global batch grew 4x and the lr
+  did not;
+- --sync-bn: BatchNorm statistics over the global batch instead of each process's slice (GPUs);
+- augmentation seeded per process, the train loss averaged over processes; evaluation was already
+  exact (gather_for_metrics drops the padding duplicates) and files are written by the main
+  process only.
+
+Launch (one node; --num_processes overrides the config's count):
+    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_ddp.py
+    torchrun --nproc_per_node 4 scripts/train_ddp.py
+    accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_ddp.py \
+        --dataset synthetic --model resnet20          # real 2-process DDP on a CPU-only machine (gloo)
+Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_configs/slurm_2nodes.sh.
+Resume: the same command plus --output-dir runs/ddp-... --resume.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+
+from common.augment import BatchTransform, channel_stats
+from common.checkpoint import (TrainProgress, latest_checkpoint, resolve_output_dir, save_checkpoint,
+                               save_weights)
+from common.cli import build_parser, check_args
+from common.data import load_image_data
+from common.errors import UserError
+from common.evaluation import evaluate
+from common.launch import check_world_size
+from common.loader import tensor_loader
+from common.models import build_model
+from common.optim import build_optimizer, build_scheduler
+from common.record import check_resume_config, log_line, write_config, write_metrics
+
+
+def parse_args(argv=None):
+    parser = build_parser(__doc__)
+    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,  # DDP
+                        help="scale --lr by global batch / --reference-batch-size (default: on)")
+    parser.add_argument("--reference-batch-size", type=int, default=128,  # DDP
+                        help="the global batch that --lr is tuned for (default: %(default)s)")
+    parser.add_argument("--sync-bn", action="store_true",  # DDP
+                        help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def main(args):
+    # ----------------------------------------------------------------------------------- setup
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # DDP: without it, no GPU means N lone trainings, not gloo
+        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
+        # DDP: split_batches: --batch-size is global, each process takes its slice of every batch.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed,
+                                                  split_batches=True),
+    )
+    check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
+    if args.batch_size % accelerator.num_processes:  # DDP: every process gets an equal slice
+        below = args.batch_size - args.batch_size % accelerator.num_processes
+        raise UserError(f"--batch-size {args.batch_size} does not divide by {accelerator.num_processes} "
+                        f"processes: use {below or accelerator.num_processes} or "
+                        f"{below + accelerator.num_processes}")
+    per_device_batch = args.batch_size // accelerator.num_processes  # DDP
+    if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
+        raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
+    set_seed(args.seed)
+    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, "ddp")
+
+    # ------------------------------------------------------------------------------------ data
+    with accelerator.local_main_process_first():  # download and decode once, then read the cache
+        data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
+                               args.synthetic_test_size)
+    if len(data.train_labels) < args.batch_size:
+        raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
+                        f"training images: use a smaller --batch-size")
+    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment)
+    device = accelerator.device  # the whole dataset lives on the device: no copy per batch
+    train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
+                                 args.batch_size, shuffle=True, seed=args.seed)
+    test_loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device),
+                                args.batch_size, shuffle=False)
+
+    # ------------------------------------------------------------- model, optimizer, schedule
+    model = build_model(args.model, num_classes=len(data.classes))
+    if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # DDP: a larger global batch takes a proportionally larger lr (Goyal et al. 2017, linear rule).
+    lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, lr, args.momentum, args.weight_decay)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
+                                args.warmup_epochs, args.milestones)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, test_loader, scheduler)
+
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        check_resume_config(output_dir, args)
+        checkpoint = latest_checkpoint(output_dir)
+        accelerator.load_state(str(checkpoint))
+        progress.history = [m for m in progress.history if m["epoch_complete"]]
+        accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
+    elif accelerator.is_main_process:
+        write_config(output_dir, args, {
+            "world_size": accelerator.num_processes, "device": str(device),
+            "per_device_batch_size": per_device_batch,  # DDP
+            "global_batch_size": args.batch_size, "lr": lr,
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
+            "test_size": len(data.test_labels), "normalization": {"mean": transform.mean.flatten().tolist(),
+                                                                  "std": transform.std.flatten().tolist()}})
+    stop_step = min(total_steps, args.max_steps or total_steps)
+    accelerator.print(f"train_ddp: {args.model} on {accelerator.num_processes} x {device}, global batch "  # DDP
+                      f"{args.batch_size} = {accelerator.num_processes} x {per_device_batch}, lr {lr:g}, "
+                      f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
+                      f"{total_steps} steps in all, record in {output_dir}")
+
+    # ----------------------------------------------------------------------------------- train
+    for epoch in range(progress.epoch, args.epochs):
+        if progress.step >= stop_step:
+            break
+        model.train()
+        train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
+        # After a mid-epoch resume, start at the first batch this epoch has not trained on.
+        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
+        loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
+        start = tick = time.perf_counter()
+        for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                                   disable=not accelerator.is_main_process):
+            # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
+            # DDP: and from the process index, so the processes do not flip and crop alike.
+            images = transform.train(images, seed=(args.seed, progress.step, accelerator.process_index))
+            data_wait += time.perf_counter() - tick
+            loss = criterion(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            optimizer.step()
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            progress.step += 1
+            progress.batch_in_epoch += 1
+            loss_sum += loss.detach()
+            trained += 1
+            if progress.step >= stop_step:
+                break
+            tick = time.perf_counter()
+        # DDP: the mean over processes; .item() waits for the device, so the time is true.
+        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained
+        epoch_time = time.perf_counter() - start
+        epoch_complete = progress.batch_in_epoch == steps_per_epoch
+        if epoch_complete:
+            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
+
+        # ------------------------------------------------------- evaluate, record, checkpoint
+        result = evaluate(model, test_loader, transform, accelerator, len(data.classes))
+        metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
+                   "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
+                   "test_acc": result.accuracy, "epoch_time_s": epoch_time,
+                   "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
+        progress.history.append(metrics)
+        if accelerator.is_main_process:
+            write_metrics(output_dir, progress.history)
+        accelerator.print(log_line(metrics))
+        save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------- finish
+    if accelerator.is_main_process:
+        # unwrap_model strips any wrapper, so the file loads into a plain model of the same name.
+        save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
+                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+    final = progress.history[-1] if progress.history else None
+    accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
+                      f"- weights in {output_dir / 'model.safetensors'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(parse_args())
