@@ -178,7 +178,7 @@ def main(args):
         result = evaluate(model, test_loader, transform, accelerator, len(data.classes))
         metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
-                   "test_acc": result.accuracy, "epoch_time_s": epoch_time,
+                   "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
         progress.history.append(metrics)
         if accelerator.is_main_process:

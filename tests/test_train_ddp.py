@@ -1,0 +1,213 @@
+"""train_ddp.py and train_amp.py as real 2-process DDP on the CPU (gloo), launched the way users do."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import set_seed
+
+from common.errors import UserError
+from common.launch import check_world_size
+from common.models import build_model
+from test_train_single import ROOT, run, weights
+
+BIN = Path(sys.executable).parent
+ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
+              "--num_processes", "2")
+TORCHRUN = (str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2")
+SMALL_DATA = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "301"]
+SMALL = [*SMALL_DATA, "--model", "resnet20", "--batch-size", "64"]
+# Agreement: BatchNorm frozen (tests/frozen_bn.py) and no augmentation, so the only differences
+# left are DDP's own: the batch split across processes and the all-reduced gradients. A small lr
+# keeps an unnormalised ResNet far from the chaotic regime where rounding differences grow.
+AGREE = [*SMALL, "--no-augment", "--lr", "0.001", "--epochs", "1", "--max-steps", "5"]
+FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
+
+
+def launch(launcher, script, *args, **kwargs):
+    """Run ``script`` under a multi-process launcher (or plain python with launcher=())."""
+    return run(script, *args, launcher=launcher or (sys.executable,), **kwargs)
+
+
+def _run_frozen(launcher, script, out, *extra):
+    """Run a training script with BatchNorm frozen, under ``launcher``."""
+    cmd = [*launcher, FROZEN_BN, str(ROOT / "scripts" / script), *AGREE, *extra, "--output-dir", str(out)]
+    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(Path(out).parent / ".cache")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def max_difference(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    _run_frozen((sys.executable,), "train_single.py", out)
+    return weights(out)
+
+
+# ----------------------------------------------------------------------------- agreement
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher):
+    out = tmp_path / "run"
+    done = _run_frozen(ACCELERATE if launcher == "accelerate" else TORCHRUN, "train_ddp.py", out, "--no-scale-lr")
+    assert "on 2 x cpu" in done.stdout and "global batch 64 = 2 x 32" in done.stdout
+    ddp = weights(out)
+    assert max_difference(ddp, one_process) < 1e-5
+    set_seed(0)
+    initial = build_model("resnet20", num_classes=10).state_dict()
+    assert max_difference(ddp, initial) > 1e-3  # the weights did move: the agreement is not trivial
+
+    # One writer: one run record, one checkpoint holding both processes' RNG states, no leftovers.
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
+                                                     "model.safetensors"]
+    (checkpoint,) = (out / "checkpoints").iterdir()
+    assert checkpoint.name == "step_00000005"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2 and config["per_device_batch_size"] == 32
+    # Exact evaluation: 301 test images do not divide by 2 processes x 64, each still counts once.
+    assert json.loads((out / "metrics.jsonl").read_text())["test_images"] == 301
+
+
+def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
+    """Two launches, machine ranks 0 and 1, one process each: the two-node config on one machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    config = str(ROOT / "accelerate_configs" / "2nodes_4gpu.yaml")
+    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
+    nodes = [subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "2",
+         "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, "--no-scale-lr", "--output-dir", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    assert "on 2 x cpu" in outputs[0]
+    assert max_difference(weights(out), one_process) < 1e-5
+
+
+def test_a_different_global_batch_does_not_match(one_process, tmp_path):
+    """Negative control: the agreement tests can fail."""
+    out = tmp_path / "run"
+    _run_frozen(ACCELERATE, "train_ddp.py", out, "--no-scale-lr", "--batch-size", "32")
+    assert max_difference(weights(out), one_process) > 1e-4
+
+
+# ------------------------------------------------------------------- training, cross-loading
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """A normal 2-process run (BatchNorm, augmentation), stopped inside its second epoch."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    done = launch(ACCELERATE, "train_ddp.py", *SMALL, "--epochs", 2, "--max-steps", 12, "--output-dir", out)
+    return out, done
+
+
+def test_ddp_trains_and_evaluate_reproduces_its_accuracy(ddp_run):
+    out, _ = ddp_run
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["step"] == 12 and logged["test_images"] == 301 and logged["train_loss"] < 10
+    done = run("evaluate.py", "--weights", out / "model.safetensors", *SMALL_DATA)
+    assert done.stdout.startswith(f"test_acc={logged['test_acc']:.4f} (")
+    assert f"/{301})" in done.stdout.splitlines()[0]
+
+
+def test_a_ddp_checkpoint_resumes_in_train_single(ddp_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(ddp_run[0], out)
+    done = run("train_single.py", *SMALL, "--epochs", 2, "--output-dir", out, "--resume")
+    assert "resumed from" in done.stdout and "step 12" in done.stdout
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["step"] == 16
+
+
+def test_a_single_checkpoint_resumes_in_train_ddp(tmp_path):
+    out = tmp_path / "run"
+    run("train_single.py", *SMALL, "--epochs", 2, "--max-steps", 8, "--output-dir", out)
+    done = launch(ACCELERATE, "train_ddp.py", *SMALL, "--epochs", 2, "--output-dir", out, "--resume")
+    assert "resumed from" in done.stdout and "on 2 x cpu" in done.stdout
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [8, 16]
+
+
+def test_amp_bf16_on_cpu_really_runs_in_bf16(ddp_run, tmp_path):
+    """Same flags as the DDP run, channels_last off: any difference in the weights is the precision."""
+    done = launch(ACCELERATE, "train_amp.py", *SMALL, "--epochs", 2, "--max-steps", 12, "--mixed-precision",
+                  "bf16", "--no-channels-last", cwd=tmp_path)
+    (out,) = (tmp_path / "runs").iterdir()  # the default output dir: one folder for both processes
+    assert out.name.startswith("amp-") and "train_amp: bf16" in done.stdout
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert torch.isfinite(torch.tensor(metrics["train_loss"])) and metrics["train_loss"] < 10
+    difference = max_difference(weights(out), weights(ddp_run[0]))
+    assert 1e-3 < difference < 1.0, difference  # bf16 rounding, not fp32 noise, not divergence
+    assert json.loads((out / "config.json").read_text())["mixed_precision"] == "bf16"
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    done = run("train_amp.py", *SMALL, "--mixed-precision", "fp16", "--output-dir", tmp_path / "run", check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip() == ("error: --mixed-precision fp16 needs a GPU (on a CPU Accelerate would train in "
+                                   "fp32 without a word): use --mixed-precision bf16")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sync_bn_on_cpu_is_refused(tmp_path):
+    done = run("train_ddp.py", *SMALL, "--sync-bn", "--output-dir", tmp_path / "run", check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip() == "error: --sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn"
+
+
+def test_a_batch_that_does_not_divide_is_refused(tmp_path):
+    done = launch(ACCELERATE, "train_ddp.py", *SMALL, "--batch-size", 63, "--output-dir", tmp_path / "run",
+                  check=False)
+    assert done.returncode != 0
+    assert "error: --batch-size 63 does not divide by 2 processes: use 62 or 64" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_independent_runs_trap_is_caught(monkeypatch):
+    """torchrun without CUDA and without cpu=True: every process thinks it is alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    class Alone:
+        num_processes, distributed_type = 1, "DistributedType.NO"
+
+    with pytest.raises(UserError, match="the launcher started 2 processes .* but Accelerate runs 1"):
+        check_world_size(Alone())
+
+
+# -------------------------------------------------------------------------------- configs
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "accelerate_configs").glob("*.yaml")))
+def test_every_accelerate_config_loads(name):
+    config = load_config_from_file(str(ROOT / "accelerate_configs" / name))
+    gpus = {"1gpu.yaml": 1, "2gpu.yaml": 2, "4gpu.yaml": 4, "8gpu.yaml": 8, "4gpu_fp16.yaml": 4,
+            "4gpu_bf16.yaml": 4, "2nodes_4gpu.yaml": 8}[name]
+    assert config.num_processes == gpus
+    assert config.mixed_precision == {"4gpu_fp16.yaml": "fp16", "4gpu_bf16.yaml": "bf16"}.get(name, "no")
+    assert str(config.distributed_type) == ("DistributedType.NO" if gpus == 1 else "DistributedType.MULTI_GPU")
+    if name == "2nodes_4gpu.yaml":
+        assert config.num_machines == 2 and config.machine_rank == 0 and config.main_process_port
+
+
+def test_the_slurm_script_launches_one_accelerate_per_node():
+    script = (ROOT / "accelerate_configs" / "slurm_2nodes.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "accelerate_configs" / "slurm_2nodes.sh")], check=True)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "--machine_rank \"$SLURM_NODEID\"" in script and "2nodes_4gpu.yaml" in script
