@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test diffs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,16 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# The lessons as diffs: each strategy script against the script it builds on (see README).
+diffs:
+	mkdir -p docs/diffs
+	for pair in train_single:train_dp train_single:train_ddp train_ddp:train_amp; do \
+		base=$${pair%%:*}; script=$${pair##*:}; \
+		diff -u --label scripts/$$base.py --label scripts/$$script.py \
+			scripts/$$base.py scripts/$$script.py > docs/diffs/$$script.diff; \
+		test $$? -le 1 || exit 1; \
+	done
 
 clean:
 	rm -rf runs .pytest_cache

@@ -33,8 +33,8 @@ def new_run_dir(script: str, root: str = "runs") -> Path:
 
 
 def resolve_output_dir(accelerator, output_dir: str | None, resume: bool, script: str) -> Path:
-    """The run folder: the given one, or a new runs/<script>-<time> named by the main process."""
-    path = Path(output_dir) if output_dir else new_run_dir(script)
+    """The run folder: the given one, or a new runs/<script name>-<time> named by the main process."""
+    path = Path(output_dir) if output_dir else new_run_dir(Path(script).stem)
     path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
     check_output_dir(path, resume)
     accelerator.wait_for_everyone()

@@ -84,7 +84,7 @@ def main(args):
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, "ddp")
+    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache

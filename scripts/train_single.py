@@ -56,7 +56,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, "single")
+    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache
