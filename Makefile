@@ -21,14 +21,8 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 # The lessons as diffs: each strategy script against the script it builds on (see README).
-diffs:
-	mkdir -p docs/diffs
-	for pair in train_single:train_dp train_single:train_ddp train_ddp:train_amp; do \
-		base=$${pair%%:*}; script=$${pair##*:}; \
-		diff -u --label scripts/$$base.py --label scripts/$$script.py \
-			scripts/$$base.py scripts/$$script.py > docs/diffs/$$script.diff; \
-		test $$? -le 1 || exit 1; \
-	done
+diffs: $(BIN)/.installed
+	$(BIN)/python docs/make_diffs.py
 
 clean:
 	rm -rf runs .pytest_cache

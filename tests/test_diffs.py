@@ -1,20 +1,19 @@
 """The diffs in docs/diffs/ are the lesson: they must match the scripts, and every change is tagged."""
 
 import re
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs"))
+import make_diffs  # noqa: E402 - docs/ is not a package
 PAIRS = {"train_dp": ("train_single", "DP"), "train_ddp": ("train_single", "DDP"), "train_amp": ("train_ddp", "AMP")}
 
 
 def current_diff(base: str, script: str) -> str:
-    done = subprocess.run(["diff", "-u", "--label", f"scripts/{base}.py", "--label", f"scripts/{script}.py",
-                           f"scripts/{base}.py", f"scripts/{script}.py"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode in (0, 1), done.stderr
-    return done.stdout
+    return make_diffs.unified_diff(base, script)
 
 
 @pytest.mark.parametrize("script", PAIRS)
@@ -22,6 +21,14 @@ def test_diff_file_is_up_to_date(script):
     base, _ = PAIRS[script]
     saved = (ROOT / "docs" / "diffs" / f"{script}.diff").read_text()
     assert saved == current_diff(base, script), f"docs/diffs/{script}.diff is stale: run `make diffs`"
+
+
+def test_readme_shows_the_current_diffs():
+    readme = (ROOT / "README.md").read_text()
+    diffs = {script: current_diff(base, script) for script, (base, _) in PAIRS.items()}
+    for script in PAIRS:
+        assert f"<!-- diff:{script} -->" in readme, f"README.md has no place for the {script} diff"
+    assert make_diffs.readme_with_diffs(readme, diffs) == readme, "README.md diffs are stale: run `make diffs`"
 
 
 def added_blocks(diff: str):
