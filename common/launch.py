@@ -32,3 +32,13 @@ def check_world_size(accelerator) -> None:
                         f"{accelerator.num_processes} ({accelerator.distributed_type}): each would train "
                         f"alone on all the data; launch with accelerate launch --multi_gpu (or a MULTI_GPU "
                         f"config) or torchrun, on a machine whose devices torch can see")
+
+
+def check_batch_split(batch_size: int, parts: int, over: str) -> None:
+    """The global batch is cut into ``parts`` equal slices (processes or GPUs); equal slices make
+    the mean of the slices' losses the loss of the whole batch and give every BatchNorm as many
+    images. ``over`` names the parts in the message, e.g. "2 processes"."""
+    if batch_size % parts:
+        below = batch_size - batch_size % parts
+        nearest = f"{below} or {below + parts}" if below else f"{parts} or more"
+        raise UserError(f"--batch-size {batch_size} does not divide by {over}: use {nearest}")

@@ -42,7 +42,7 @@ from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.launch import check_world_size
+from common.launch import check_batch_split, check_world_size
 from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
@@ -87,11 +87,8 @@ def main(args):
                                                   split_batches=True),
     )
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
-    if args.batch_size % accelerator.num_processes:  # DDP: every process gets an equal slice
-        below = args.batch_size - args.batch_size % accelerator.num_processes
-        raise UserError(f"--batch-size {args.batch_size} does not divide by {accelerator.num_processes} "
-                        f"processes: use {below or accelerator.num_processes} or "
-                        f"{below + accelerator.num_processes}")
+    # DDP: every process gets an equal slice of the global batch.
+    check_batch_split(args.batch_size, accelerator.num_processes, f"{accelerator.num_processes} processes")
     per_device_batch = args.batch_size // accelerator.num_processes  # DDP
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")

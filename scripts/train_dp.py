@@ -2,12 +2,12 @@
 
 At every forward DataParallel copies the model to each GPU, scatters the batch in one slice per
 GPU, runs the copies in one thread each and gathers their outputs on the first GPU; backward sums
-the gradients into the model there. No launcher and one process, but the threads share one Python
-interpreter and GPU 0 does extra work: PyTorch recommends DistributedDataParallel instead, "even if
-there is only a single node" (torch.nn.DataParallel docs, and the CUDA semantics note "Use
-nn.parallel.DistributedDataParallel instead of multiprocessing or nn.DataParallel"); here that is
-scripts/train_ddp.py. In the source articles an epoch of ResNet-50 took 13.2 s on one A100,
-19.1 s with DataParallel on 4 and 6.1 s with DDP on 4.
+the gradients into the model there. One process and no launcher, but the threads share one Python
+interpreter (the GIL) and GPU 0 does extra work: PyTorch recommends DistributedDataParallel
+instead, "even if there is only a single node" (torch.nn.DataParallel docs, and the CUDA semantics
+note "Use nn.parallel.DistributedDataParallel instead of multiprocessing or nn.DataParallel"); here
+that is scripts/train_ddp.py. In the source articles an epoch of ResNet-50 took 13.2 s on one A100,
+19.1 s with DataParallel on 4 (its input pipeline could not keep up) and 6.1 s with DDP on 4.
 
 Accelerate has no DataParallel mode and is still used for what train_single.py uses it for: device
 placement, the seeded loader, save_state/load_state and unwrap_model. The model is wrapped after
@@ -20,14 +20,15 @@ train_single.py, each tagged "# DP:" (docs/diffs/train_dp.diff):
 - --batch-size stays the GLOBAL batch, scattered in equal slices: it must divide by the GPU count;
 - a test copy between every pair of GPUs before training: broken peer-to-peer copies (IOMMU or
   PCIe ACS) gave the articles' NaN loss in the first epoch on two PCIe GPUs. DataParallel copies
-  directly between GPUs even with NCCL_P2P_DISABLE=1; there, use train_ddp.py with NCCL_P2P_DISABLE=1;
+  directly between GPUs even with NCCL_P2P_DISABLE=1; on such a machine use train_ddp.py with
+  NCCL_P2P_DISABLE=1;
 - per-GPU memory (allocated, reserved, peak of the epoch) in the log line: GPU 0 holds more, as it
   keeps the model, its gradients and optimizer state, the gathered outputs and the loss;
 - --loss-in-replicas: each GPU computes the loss of its own slice (the articles' "parallel
   criterion"), so GPU 0 gathers one number per GPU instead of every output;
 - --mixed-precision fp16|bf16: autocast entered inside each replica's forward, because autocast is
-  thread-local (PyTorch AMP examples, "DataParallel in a single process"); fp16 adds a GradScaler,
-  saved in checkpoints, and is refused on a CPU.
+  thread-local (torch.autocast docs; PyTorch AMP examples, "Working with Multiple GPUs"); fp16 adds
+  a GradScaler, saved in checkpoints, and is refused on a CPU.
 
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
@@ -39,7 +40,8 @@ Launch:
     CUDA_VISIBLE_DEVICES=0,1 python scripts/train_dp.py --batch-size 256 --loss-in-replicas
     python scripts/train_dp.py --mixed-precision fp16           # GPUs; bf16 on Ampere and newer
     python scripts/train_dp.py --dataset synthetic --model resnet20   # a CPU: one device, no split
-Resume: the same command plus --output-dir runs/dp-... --resume.
+It is one process: `accelerate launch --num_processes 1` works too, more processes are refused.
+Resume: the same command plus --output-dir runs/train_dp-... --resume.
 """
 
 import json
@@ -57,9 +59,8 @@ from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.gpu import (check_batch_split, check_peer_copies, data_parallel_devices, memory_report,
-                        reset_peak_memory)
-from common.launch import require_single_process
+from common.gpu import check_peer_copies, data_parallel_devices, memory_report, reset_peak_memory
+from common.launch import check_batch_split, require_single_process
 from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
@@ -88,29 +89,30 @@ class Replica(torch.nn.Module):  # DP
         self.model, self.criterion, self.amp_dtype = model, criterion, amp_dtype
 
     def forward(self, images, labels=None):
-        # autocast is thread-local, so it is entered here, in each replica's thread. An autocast around
+        # DP: autocast is thread-local, so it is entered here, in each replica's thread. An autocast around
         # the DataParallel call reaches the threads without its dtype (parallel_apply re-enters the default).
         with torch.autocast(images.device.type, self.amp_dtype, enabled=self.amp_dtype is not None):
             outputs = self.model(images)
-            # A 1-element vector: DataParallel gathers one loss per GPU, instead of every output.
-            return outputs if labels is None else self.criterion(outputs, labels).unsqueeze(0)
+            # Logits leave in fp32, so that a loss computed outside autocast is not a 16-bit one; a loss
+            # leaves as a 1-element vector: DataParallel gathers one per GPU instead of every output.
+            return outputs.float() if labels is None else self.criterion(outputs, labels).unsqueeze(0)
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
     require_single_process("train_dp.py")  # DP: one process drives every GPU
     accelerator = Accelerator(
-        # DP: never Accelerate's AMP: it binds forward to this model, and every replica would call that one.
-        mixed_precision="no",  # Replica autocasts instead
+        # DP: not Accelerate's AMP: it binds model.forward to this model, and every replica would run that one.
+        mixed_precision="no",  # DP: Replica autocasts
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
     devices = data_parallel_devices(accelerator.device)  # DP: every visible GPU (CUDA_VISIBLE_DEVICES)
-    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # DP: Accelerate would ignore it
+    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # DP: loss scaling is for GPUs
         raise UserError("--mixed-precision fp16 needs a GPU and none is visible: use --mixed-precision bf16 "
                         "(autocast on the CPU) or no")
     if len(devices) > 1:  # DP: equal slices, and copies between GPUs that arrive intact
-        check_batch_split(args.batch_size, len(devices))
+        check_batch_split(args.batch_size, len(devices), f"the {len(devices)} visible GPUs (CUDA_VISIBLE_DEVICES)")
         check_peer_copies(devices)
     else:
         accelerator.print(f"train_dp: DataParallel has nothing to split with {len(devices)} GPU(s) "  # DP
@@ -118,7 +120,7 @@ def main(args):
     per_device_batch = args.batch_size // max(len(devices), 1)  # DP
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)  # DP: None: fp32
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, "dp")
+    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache
@@ -197,9 +199,9 @@ def main(args):
                     else criterion(parallel_model(images), labels))
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(scaler.scale(loss))  # DP: fp16 scales the loss so small gradients survive
-            scale = scaler.get_scale()  # DP
+            scale = scaler.get_scale()  # DP: fp16: a skipped step lowers the scale
             scaler.step(optimizer)  # DP: unscales the gradients, skips the step if they hold inf/NaN
-            scaler.update()  # DP: and then lowers the scale
+            scaler.update()  # DP: halves the scale after a skip, doubles it after 2000 steps without one
             skipped = scaler.get_scale() < scale  # DP
             skipped_steps += skipped  # DP
             lr = scheduler.get_last_lr()[0]

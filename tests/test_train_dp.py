@@ -1,0 +1,188 @@
+"""train_dp.py on a CPU, run as a user runs it, plus its GPU-only checks with the GPUs faked in-process.
+
+Without GPUs DataParallel has nothing to split, so train_dp.py must train exactly as train_single.py
+does: the bitwise comparison below proves that the diff changes nothing else.
+"""
+
+import importlib.util
+import json
+import math
+import threading
+
+import pytest
+import torch
+from accelerate import Accelerator
+from test_train_single import DATA, ROOT, run, weights
+
+import common.gpu
+from common.errors import UserError
+from common.gpu import check_peer_copies, data_parallel_devices, memory_report
+from common.launch import check_batch_split
+from common.models import build_model
+from common.record import log_line
+
+# DATA with fewer images (the last value of a flag wins): 16 steps an epoch at batch 32, of which the runs
+# train 3, with augmentation (the default).
+FLAGS = [*DATA, "--synthetic-train-size", 512, "--synthetic-test-size", 100, "--model", "resnet20",
+         "--batch-size", 32, "--max-steps", 3]
+NOTICE = "DataParallel has nothing to split"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_dp", ROOT / "scripts" / "train_dp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the script's imports only: main() runs under __main__
+    return module
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "run"
+    return out, run("train_dp.py", *FLAGS, "--output-dir", out)
+
+
+# --------------------------------------------------------------------------------- CPU runs
+
+def test_cpu_trains_on_one_device_and_writes_the_run_record(dp_run):
+    out, done = dp_run
+    assert done.stdout.count(NOTICE) == 1, done.stdout
+    assert "epoch=1/" in done.stdout and "step=3 " in done.stdout and "gpu_mem" not in done.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["gpus"] == [] and config["per_device_batch_size"] == 32 and config["global_batch_size"] == 32
+    assert config["args"]["mixed_precision"] == "no" and config["args"]["loss_in_replicas"] is False
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["step"] == 3 and math.isfinite(metrics["train_loss"])
+    assert not any(key.startswith(("gpu_mem", "loss_scale", "skipped")) for key in metrics)  # CPU, fp32
+    assert (out / "checkpoints" / "step_00000003").is_dir()
+
+    state = weights(out)
+    assert not any(key.startswith(("module.", "model.")) for key in state)
+    build_model("resnet20", num_classes=10).load_state_dict(state)  # strict: every key, no extra
+
+
+def test_cpu_gives_the_weights_of_train_single_bitwise(dp_run, tmp_path):
+    out, _ = dp_run
+    run("train_single.py", *FLAGS, "--output-dir", tmp_path / "single")
+    ours, theirs = weights(out), weights(tmp_path / "single")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_resume_mid_epoch_equals_uninterrupted_bitwise(dp_run, tmp_path):
+    reference, _ = dp_run
+    out = tmp_path / "run"
+    run("train_dp.py", *FLAGS, "--max-steps", 1, "--output-dir", out)
+    resumed = run("train_dp.py", *FLAGS, "--output-dir", out, "--resume")
+    assert "resumed from" in resumed.stdout and "step 1" in resumed.stdout
+    ours, theirs = weights(out), weights(reference)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_loss_in_replicas_gives_the_same_weights(dp_run, tmp_path):
+    reference, _ = dp_run
+    run("train_dp.py", *FLAGS, "--loss-in-replicas", "--output-dir", tmp_path / "run")
+    ours, theirs = weights(tmp_path / "run"), weights(reference)
+    assert ours.keys() == theirs.keys()  # the plain model's keys: no module. or model. prefix
+    for key in ours:
+        assert torch.allclose(ours[key].float(), theirs[key].float(), rtol=0, atol=1e-6), key
+
+
+def test_fp16_on_cpu_is_refused_and_writes_nothing(tmp_path):
+    done = run("train_dp.py", *FLAGS, "--mixed-precision", "fp16", "--output-dir", tmp_path / "run", check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        "error: --mixed-precision fp16 needs a GPU and none is visible: use --mixed-precision bf16 "
+        "(autocast on the CPU) or no"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_bf16_on_cpu_trains_with_a_finite_loss(tmp_path):
+    out = tmp_path / "run"
+    run("train_dp.py", *FLAGS, "--mixed-precision", "bf16", "--max-steps", 1, "--output-dir", out)
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["step"] == 1 and math.isfinite(metrics["train_loss"])
+    assert "loss_scale" not in metrics  # bf16 needs no loss scaling
+    build_model("resnet20", num_classes=10).load_state_dict(weights(out))
+
+
+# ------------------------------------------------- the replicated module, GPUs faked in-process
+
+def test_replica_autocasts_in_any_thread_and_unwraps_to_the_plain_model():
+    replica_class = load_script().Replica
+    model, criterion = build_model("resnet20", num_classes=10), torch.nn.CrossEntropyLoss()
+    images, labels = torch.randn(8, 3, 32, 32), torch.arange(8)
+    wrapped = torch.nn.DataParallel(replica_class(model, criterion, None))  # on a CPU: calls the module
+    assert Accelerator(cpu=True).unwrap_model(wrapped).model is model
+    # The wrapper's keys carry both prefixes; the script saves `model`, whose parameters these are.
+    assert set(wrapped.state_dict()) == {f"module.model.{key}" for key in model.state_dict()}
+    assert all(a is b for a, b in zip(wrapped.parameters(), model.parameters(), strict=True))
+    loss = wrapped(images, labels)
+    assert loss.shape == (1,) and torch.allclose(loss[0], criterion(model(images), labels))
+
+    # DataParallel runs each replica in a thread of its own, where an outer autocast is not active:
+    # the model must still compute in bf16 there, and hand fp32 logits and an fp32 loss back.
+    bf16, inside = replica_class(model, criterion, torch.bfloat16), []
+    model.register_forward_hook(lambda module, args, output: inside.append(output.dtype))
+    found = {}
+    thread = threading.Thread(target=lambda: found.update(logits=bf16(images), loss=bf16(images, labels)))
+    thread.start()
+    thread.join()
+    assert inside == [torch.bfloat16, torch.bfloat16]
+    assert found["logits"].dtype == found["loss"].dtype == torch.float32
+
+
+def fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return data_parallel_devices(torch.device("cuda"))
+
+
+def test_batch_must_divide_by_the_gpu_count(monkeypatch):
+    devices = fake_gpus(monkeypatch, 3)
+    assert [str(d) for d in devices] == ["cuda:0", "cuda:1", "cuda:2"]
+    over = "the 3 visible GPUs (CUDA_VISIBLE_DEVICES)"
+    check_batch_split(63, len(devices), over)
+    with pytest.raises(UserError) as error:
+        check_batch_split(64, len(devices), over)
+    assert error.value.message == ("--batch-size 64 does not divide by the 3 visible GPUs "
+                                   "(CUDA_VISIBLE_DEVICES): use 63 or 66")
+    with pytest.raises(UserError, match="use 2 or more$"):
+        check_batch_split(1, 2, "2 processes")  # never suggests 0
+
+
+def test_peer_copy_check_names_the_broken_pair(monkeypatch):
+    devices = fake_gpus(monkeypatch, 3)
+    copies = []
+
+    def intact(values, source, target):
+        copies.append((str(source), str(target)))
+        return values.clone()
+
+    monkeypatch.setattr(common.gpu, "peer_copy", intact)
+    check_peer_copies(devices)
+    assert sorted(copies) == [(f"cuda:{a}", f"cuda:{b}") for a in range(3) for b in range(3) if a != b]
+
+    def broken(values, source, target):  # what an IOMMU in the way delivers: the right size, wrong data
+        return torch.zeros_like(values) if (source.index, target.index) == (1, 2) else values.clone()
+
+    monkeypatch.setattr(common.gpu, "peer_copy", broken)
+    with pytest.raises(UserError) as error:
+        check_peer_copies(devices)
+    message = error.value.message
+    assert "cuda:1 -> cuda:2" in message and "NCCL_P2P_DISABLE=1" in message and "train_ddp.py" in message
+    assert "\n" not in message
+
+
+def test_memory_report_has_one_value_per_gpu_and_nothing_on_cpu(monkeypatch):
+    assert memory_report(data_parallel_devices(torch.device("cpu"))) == {}
+    devices = fake_gpus(monkeypatch, 2)
+    for name, per_gpu in [("memory_allocated", [1.5e9, 0.5e9]), ("memory_reserved", [2e9, 1e9]),
+                          ("max_memory_allocated", [3.25e9, 0.75e9])]:
+        monkeypatch.setattr(torch.cuda, name, lambda device, values=per_gpu: values[device.index])
+    report = memory_report(devices)
+    assert report == {"gpu_mem_alloc_gb": [1.5, 0.5], "gpu_mem_reserved_gb": [2.0, 1.0],
+                      "gpu_mem_peak_gb": [3.25, 0.75]}
+    line = log_line({"epoch": 1, "epochs": 1, "step": 4, "batch_size": 64, "lr": 0.1, "train_loss": 2.0,
+                     "test_acc": 0.5, "epoch_time_s": 1.0, "img_per_s": 256, "data_wait_frac": 0.0, **report})
+    assert line.endswith(" gpu_mem_alloc_gb=1.50,0.50 gpu_mem_reserved_gb=2.00,1.00 gpu_mem_peak_gb=3.25,0.75")
