@@ -162,16 +162,19 @@ class TrainProgress:
 
     ``step`` counts optimizer steps over the whole run; ``batch_in_epoch`` lets a resumed run skip
     the batches of the current epoch it has already trained on; ``history`` holds the metrics of
-    finished epochs, so metrics.jsonl can be rewritten to match the checkpoint being resumed.
+    finished epochs, so metrics.jsonl can be rewritten to match the checkpoint being resumed;
+    ``tracker_run_id`` is the wandb run a resumed job keeps logging to.
     """
 
     def __init__(self):
         self.epoch, self.step, self.batch_in_epoch, self.history = 0, 0, 0, []
+        self.tracker_run_id = None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
-                "history": self.history}
+                "history": self.history, "tracker_run_id": self.tracker_run_id}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])
+        self.tracker_run_id = state.get("tracker_run_id")

@@ -51,6 +51,20 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                      help="continue the run in --output-dir from its newest checkpoint")
     run.add_argument("--keep-checkpoints", type=int, default=2,
                      help="how many of the newest checkpoints to keep (default: %(default)s)")
+
+    tracking = parser.add_argument_group("tracking (Weights & Biases, through Accelerate)")
+    tracking.add_argument("--report-to", default="wandb", choices=("wandb", "none"),
+                          help="wandb: one run per job, offline under --output-dir when no API key is "
+                               "configured; none: no tracking (default: %(default)s)")
+    tracking.add_argument("--wandb-project", default=None,
+                          help="wandb project (default: $WANDB_PROJECT or multigpu-cifar)")
+    tracking.add_argument("--run-name", default=None, help="wandb run name (default: $WANDB_NAME or wandb's)")
+    tracking.add_argument("--wandb-tags", nargs="+", default=None, help="wandb tags (default: $WANDB_TAGS)")
+    tracking.add_argument("--wandb-group", default=None,
+                          help="wandb group, e.g. one per sweep (default: $WANDB_RUN_GROUP)")
+    tracking.add_argument("--log-every", type=int, default=20,
+                          help="log the loss, lr and img/s to wandb every this many optimizer steps "
+                               "(default: %(default)s)")
     return parser
 
 
@@ -78,7 +92,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
                 "--synthetic-train-size": args.synthetic_train_size,
-                "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints}
+                "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints,
+                "--log-every": args.log_every}
     if args.max_steps is not None:
         positive["--max-steps"] = args.max_steps
     for flag, value in positive.items():

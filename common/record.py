@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -11,7 +12,8 @@ from common.errors import UserError
 
 # Flags that may change between a run and its resume; any other change would make the resumed run
 # a different experiment.
-RESUMABLE_FLAGS = {"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints"}
+RESUMABLE_FLAGS = {"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints", "report_to",
+                   "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every"}
 
 
 def versions() -> dict[str, str]:
@@ -31,10 +33,20 @@ def write_json(path: Path, obj) -> None:
     os.replace(partial, path)
 
 
-def write_config(output_dir: Path, args, derived: dict) -> None:
-    """config.json: the resolved flags, then what was derived from them and the environment."""
-    write_json(Path(output_dir) / "config.json",
-               {"args": vars(args), **derived, "versions": versions(), "command": sys.argv})
+def git_commit() -> str | None:
+    """The commit of the code that runs, when it runs from a git checkout."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_config(args, derived: dict) -> dict:
+    """The resolved flags, what was derived from them and the environment: config.json and wandb."""
+    return {"args": vars(args), **derived, "versions": versions(), "git_commit": git_commit(),
+            "command": sys.argv}
 
 
 def check_resume_config(output_dir: Path, args) -> None:

@@ -64,7 +64,8 @@ from common.launch import check_batch_split, require_single_process
 from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.record import check_resume_config, log_line, write_config, write_metrics
+from common.record import check_resume_config, log_line, run_config, write_json, write_metrics
+from common.tracking import StepLogger, start_tracking, track
 
 
 def parse_args(argv=None):
@@ -102,6 +103,7 @@ def main(args):
     # ----------------------------------------------------------------------------------- setup
     require_single_process("train_dp.py")  # DP: one process drives every GPU
     accelerator = Accelerator(
+        log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         # DP: not Accelerate's AMP: it binds model.forward to this model, and every replica would run that one.
         mixed_precision="no",  # DP: Replica autocasts
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
@@ -155,6 +157,14 @@ def main(args):
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
     accelerator.register_for_checkpointing(scaler)  # DP: fp16's loss scale continues on --resume
+    config = run_config(args, {
+        "world_size": accelerator.num_processes, "device": str(device),
+        "per_device_batch_size": per_device_batch, "gpus": [str(d) for d in devices],  # DP
+        "global_batch_size": args.batch_size, "lr": args.lr,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+        "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
+        "test_size": len(data.test_labels),
+        "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if args.resume:
         check_resume_config(output_dir, args)
         checkpoint = latest_checkpoint(output_dir)
@@ -162,14 +172,8 @@ def main(args):
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     elif accelerator.is_main_process:
-        write_config(output_dir, args, {
-            "world_size": accelerator.num_processes, "device": str(device),
-            "per_device_batch_size": per_device_batch, "gpus": [str(d) for d in devices],  # DP
-            "global_batch_size": args.batch_size, "lr": args.lr,
-            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-            "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-            "test_size": len(data.test_labels), "normalization": {"mean": transform.mean.flatten().tolist(),
-                                                                  "std": transform.std.flatten().tolist()}})
+        write_json(output_dir / "config.json", config)
+    start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
     stop_step = min(total_steps, args.max_steps or total_steps)
     accelerator.print(f"train_dp: {args.model} on {', '.join(map(str, devices)) or device}, batch "  # DP
                       f"{args.batch_size} ({per_device_batch} per device), {args.mixed_precision} mixed "
@@ -178,6 +182,7 @@ def main(args):
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
+    step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step:
             break
@@ -211,6 +216,7 @@ def main(args):
             progress.batch_in_epoch += 1
             loss_sum += loss.detach()
             trained += 1
+            step_logger.log(progress.step, loss, lr)
             if progress.step >= stop_step:
                 break
             tick = time.perf_counter()
@@ -233,6 +239,7 @@ def main(args):
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)
         accelerator.print(log_line(metrics))
+        track(accelerator, metrics, step=progress.step)
         save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
 
     # ------------------------------------------------------------------------------- finish

@@ -69,9 +69,11 @@ def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher):
     initial = build_model("resnet20", num_classes=10).state_dict()
     assert max_difference(ddp, initial) > 1e-3  # the weights did move: the agreement is not trivial
 
-    # One writer: one run record, one checkpoint holding both processes' RNG states, no leftovers.
+    # One writer: one run record, one wandb run, one checkpoint holding both processes' RNG states,
+    # no leftovers.
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
-                                                     "model.safetensors"]
+                                                     "model.safetensors", "wandb"]
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     (checkpoint,) = (out / "checkpoints").iterdir()
     assert checkpoint.name == "step_00000005"
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}

@@ -1,0 +1,111 @@
+"""Run tracking with Weights & Biases through Accelerate's tracker integration, never in the way.
+
+One wandb run per job: Accelerate creates it on the main process only, however many processes
+the job has. The run id is kept in the training state, so --resume (and an automatic restart)
+continues the same run. Without an API key and without WANDB_MODE, the run is written offline
+under --output-dir and one line says how to upload it (`wandb sync`): never a login prompt. A
+tracking failure prints one warning and training goes on without it.
+"""
+
+import netrc
+import os
+import secrets
+import string
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+DEFAULT_PROJECT = "multigpu-cifar"
+
+
+def has_wandb_credentials() -> bool:
+    """An API key wandb would find without asking: WANDB_API_KEY, an identity token, or ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def start_tracking(accelerator, args, config: dict, output_dir: Path, progress) -> None:
+    """Start (or, on resume, continue) the job's wandb run; a no-op with --report-to none.
+
+    Flags win over the standard WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP /
+    WANDB_DIR variables only when given, so those keep working.
+    """
+    if args.report_to == "none":
+        return
+    offline_by_default = accelerator.is_main_process and not os.environ.get("WANDB_MODE") \
+        and not has_wandb_credentials()
+    if offline_by_default:
+        os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
+    if accelerator.is_main_process and progress.tracker_run_id is None:
+        # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
+        progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    init = {"id": progress.tracker_run_id, "resume": "allow", "dir": os.environ.get("WANDB_DIR", str(output_dir))}
+    init.update({key: value for key, value in {"name": args.run_name, "tags": args.wandb_tags,
+                                                "group": args.wandb_group}.items() if value})
+    project = args.wandb_project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
+    try:
+        accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
+    except Exception as error:  # noqa: BLE001 - tracking must never stop training
+        _give_up(accelerator, f"wandb did not start ({type(error).__name__}: {_first_line(error)})")
+        return
+    if offline_by_default:
+        run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
+        accelerator.print(f"wandb: no API key configured, so this run is logged offline to {run_dir}; "
+                          f"upload it with: wandb sync {run_dir}")
+
+
+def track(accelerator, values: dict, step: int) -> None:
+    """Log ``values`` at the global optimizer ``step`` (main process); lists become key/0, key/1..."""
+    if not accelerator.trackers:
+        return
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, (list, tuple)):
+            flat.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        elif isinstance(value, (int, float)):
+            flat[key] = value
+    try:
+        accelerator.log(flat, step=step)
+    except Exception as error:  # noqa: BLE001 - tracking must never stop training
+        _give_up(accelerator, f"wandb failed to log ({type(error).__name__}: {_first_line(error)})")
+
+
+class StepLogger:
+    """Per-step loss, lr and throughput, every ``every`` optimizer steps.
+
+    ``loss.item()`` waits for the device, so it is read only at those steps, not every step.
+    """
+
+    def __init__(self, accelerator, every: int, batch_size: int):
+        self.accelerator, self.every, self.batch_size = accelerator, every, batch_size
+        self.last_step, self.last_time = None, time.perf_counter()
+
+    def log(self, step: int, loss, lr: float) -> None:
+        if not (self.accelerator.is_main_process and self.accelerator.trackers) or step % self.every:
+            return
+        now = time.perf_counter()
+        values = {"train/loss": loss.item(), "train/lr": lr}
+        if self.last_step is not None:  # the first interval would include start-up time
+            values["train/img_per_s"] = (step - self.last_step) * self.batch_size / (now - self.last_time)
+        track(self.accelerator, values, step)
+        self.last_step, self.last_time = step, now
+
+
+def _give_up(accelerator, why: str) -> None:
+    accelerator.print(f"warning: {why}; training goes on without tracking")
+    for tracker in accelerator.trackers:
+        try:
+            tracker.finish()
+        except Exception:  # noqa: BLE001, S110 - already failing; nothing more to report
+            pass
+    accelerator.trackers = []
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
