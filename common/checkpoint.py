@@ -32,18 +32,49 @@ def new_run_dir(script: str, root: str = "runs") -> Path:
     return path
 
 
-def resolve_output_dir(accelerator, output_dir: str | None, resume: bool, script: str) -> Path:
-    """The run folder: the given one, or a new runs/<script name>-<time> named by the main process."""
-    path = Path(output_dir) if output_dir else new_run_dir(Path(script).stem)
+def resolve_run(accelerator, output_dir: str | None, resume: str | None, script: str) -> tuple[Path, Path | None]:
+    """The run folder, and the checkpoint to continue from (None: a fresh start).
+
+    ``resume`` is None, "latest" (the newest complete checkpoint of ``output_dir``) or a checkpoint
+    folder, whose run folder is then the default ``output_dir``. A worker restarted by torchrun
+    (``accelerate launch --max_restarts N``) continues from the newest checkpoint by itself.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    given = Path(resume) if resume not in (None, "latest") else None
+    if output_dir is None and given is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise UserError("a restartable launch (--max_restarts) needs --output-dir, so that a restarted worker "
+                        "finds the run's checkpoints: add --output-dir runs/NAME")
+    if resume == "latest" and output_dir is None:
+        raise UserError("--resume needs --output-dir (the folder of the run to continue) or a checkpoint: "
+                        "--resume runs/NAME/checkpoints/step_NNNNNNNN")
+    if output_dir:
+        path = Path(output_dir)
+    elif given is not None:
+        path = given.parent.parent  # runs/NAME/checkpoints/step_N
+    else:
+        path = new_run_dir(Path(script).stem)
     path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
-    check_output_dir(path, resume)
+    if given is not None:
+        if not given.is_dir() or not _STEP_DIR.match(given.name):
+            raise UserError(f"--resume {given}: not a checkpoint folder; pass runs/NAME/checkpoints/step_NNNNNNNN "
+                            f"or --resume alone for the newest checkpoint of --output-dir")
+        checkpoint = given
+        if path != given.parent.parent:
+            check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
+    elif restarted and latest_checkpoint(path) is not None:
+        checkpoint = latest_checkpoint(path)
+    elif restarted:
+        checkpoint = None  # the worker died before the first checkpoint: start again in the same folder
+    else:
+        check_output_dir(path, resume)
+        checkpoint = latest_checkpoint(path) if resume else None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, checkpoint
 
 
-def check_output_dir(output_dir: Path, resume: bool) -> None:
+def check_output_dir(output_dir: Path, resume: str | None) -> None:
     """Never overwrite a run silently: a used folder needs --resume, --resume needs a checkpoint."""
     if resume:
         if not output_dir.is_dir():

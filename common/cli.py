@@ -47,8 +47,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     run = parser.add_argument_group("run record")
     run.add_argument("--output-dir", default=None,
                      help="folder of the run record and checkpoints (default: a new runs/<script>-<time>)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the run in --output-dir from its newest checkpoint")
+    run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                     help="continue the run in --output-dir from its newest complete checkpoint, or from "
+                          "CHECKPOINT (runs/NAME/checkpoints/step_NNNNNNNN)")
+    run.add_argument("--checkpoint-every", type=int, default=None,
+                     help="also save the training state every this many optimizer steps (default: at the "
+                          "end of each epoch only)")
     run.add_argument("--keep-checkpoints", type=int, default=2,
                      help="how many of the newest checkpoints to keep (default: %(default)s)")
 
@@ -94,6 +98,8 @@ def check_args(args: argparse.Namespace) -> None:
                 "--synthetic-train-size": args.synthetic_train_size,
                 "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every}
+    if args.checkpoint_every is not None:
+        positive["--checkpoint-every"] = args.checkpoint_every
     if args.max_steps is not None:
         positive["--max-steps"] = args.max_steps
     for flag, value in positive.items():
@@ -103,5 +109,3 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--lr {args.lr}: must be positive")
     if args.warmup_epochs < 0:
         raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be 0 or more")
-    if args.resume and args.output_dir is None:
-        raise UserError("--resume needs --output-dir: the folder of the run to continue")

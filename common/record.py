@@ -13,7 +13,8 @@ from common.errors import UserError
 # Flags that may change between a run and its resume; any other change would make the resumed run
 # a different experiment.
 RESUMABLE_FLAGS = {"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints", "report_to",
-                   "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every"}
+                   "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every",
+                   "checkpoint_every", "dist_timeout"}
 
 
 def versions() -> dict[str, str]:
@@ -49,9 +50,17 @@ def run_config(args, derived: dict) -> dict:
             "command": sys.argv}
 
 
-def check_resume_config(output_dir: Path, args) -> None:
-    """A resumed run must be the same experiment: same flags, except the resumable ones."""
-    saved = json.loads((Path(output_dir) / "config.json").read_text())["args"]
+def check_resume_config(checkpoint: Path, args) -> None:
+    """A resumed run must be the same experiment: same flags, except the resumable ones.
+
+    The flags are those in config.json of the run the checkpoint belongs to.
+    """
+    output_dir = Path(checkpoint).parent.parent
+    try:
+        saved = json.loads((output_dir / "config.json").read_text())["args"]
+    except (OSError, ValueError, KeyError):
+        raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the run's flags "
+                        f"are unknown; start a new run") from None
     for key, value in vars(args).items():
         if key not in RESUMABLE_FLAGS and key in saved and saved[key] != value:
             flag = "--" + key.replace("_", "-")

@@ -31,19 +31,20 @@ Resume: the same command plus --output-dir runs/ddp-... --resume.
 import argparse
 import json
 import time
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
 from common.augment import BatchTransform, channel_stats
-from common.checkpoint import (TrainProgress, latest_checkpoint, resolve_output_dir, save_checkpoint,
-                               save_weights)
+from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
 from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.guard import stop_if_not_finite
 from common.launch import check_batch_split, check_world_size
 from common.loader import tensor_loader
 from common.models import build_model
@@ -60,6 +61,9 @@ def parse_args(argv=None):
                         help="the global batch that --lr is tuned for (default: %(default)s)")
     parser.add_argument("--sync-bn", action="store_true",  # DDP
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
+    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP
+                        help="seconds a process waits for the others in a collective before the job fails; "
+                             "a stalled process ends the job instead of hanging it (default: %(default)s)")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -75,6 +79,8 @@ def main(args):
         # DDP: split_batches: --batch-size is global, each process takes its slice of every batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed,
                                                   split_batches=True),
+        # DDP: a process that stalls fails the job after --dist-timeout instead of hanging it.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
     )
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
     # DDP: every process gets an equal slice of the global batch.
@@ -83,7 +89,7 @@ def main(args):
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
+    output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache
@@ -124,13 +130,12 @@ def main(args):
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
         "test_size": len(data.test_labels),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
-    if args.resume:
-        check_resume_config(output_dir, args)
-        checkpoint = latest_checkpoint(output_dir)
+    if checkpoint:
+        check_resume_config(checkpoint, args)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
-    elif accelerator.is_main_process:
+    if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
     start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
     stop_step = min(total_steps, args.max_steps or total_steps)
@@ -157,6 +162,7 @@ def main(args):
             images = transform.train(images, seed=(args.seed, progress.step, accelerator.process_index))
             data_wait += time.perf_counter() - tick
             loss = criterion(model(images), labels)
+            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             optimizer.step()
@@ -169,6 +175,9 @@ def main(args):
             step_logger.log(progress.step, loss, lr)
             if progress.step >= stop_step:
                 break
+            if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
+                    and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+                save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
         # DDP: the mean over processes; .item() waits for the device, so the time is true.
         train_loss = accelerator.reduce(loss_sum, "mean").item() / trained

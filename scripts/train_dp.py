@@ -53,13 +53,13 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common.augment import BatchTransform, channel_stats
-from common.checkpoint import (TrainProgress, latest_checkpoint, resolve_output_dir, save_checkpoint,
-                               save_weights)
+from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
 from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.gpu import check_peer_copies, data_parallel_devices, memory_report, reset_peak_memory
+from common.guard import stop_if_not_finite
 from common.launch import check_batch_split, require_single_process
 from common.loader import tensor_loader
 from common.models import build_model
@@ -122,7 +122,7 @@ def main(args):
     per_device_batch = args.batch_size // max(len(devices), 1)  # DP
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)  # DP: None: fp32
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
+    output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache
@@ -165,13 +165,12 @@ def main(args):
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
         "test_size": len(data.test_labels),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
-    if args.resume:
-        check_resume_config(output_dir, args)
-        checkpoint = latest_checkpoint(output_dir)
+    if checkpoint:
+        check_resume_config(checkpoint, args)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
-    elif accelerator.is_main_process:
+    if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
     start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
     stop_step = min(total_steps, args.max_steps or total_steps)
@@ -202,6 +201,8 @@ def main(args):
             # DP: --loss-in-replicas: the mean of one loss per GPU (equal slices), else from every output.
             loss = (parallel_model(images, labels).mean() if args.loss_in_replicas
                     else criterion(parallel_model(images), labels))
+            if args.mixed_precision != "fp16":  # DP: fp16 skips a step with inf/nan gradients instead
+                stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(scaler.scale(loss))  # DP: fp16 scales the loss so small gradients survive
             scale = scaler.get_scale()  # DP: fp16: a skipped step lowers the scale
@@ -219,6 +220,9 @@ def main(args):
             step_logger.log(progress.step, loss, lr)
             if progress.step >= stop_step:
                 break
+            if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
+                    and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+                save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
         train_loss = loss_sum.item() / trained  # .item() waits for the device, so the time is true
         epoch_time = time.perf_counter() - start

@@ -28,12 +28,12 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common.augment import BatchTransform, channel_stats
-from common.checkpoint import (TrainProgress, latest_checkpoint, resolve_output_dir, save_checkpoint,
-                               save_weights)
+from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
 from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.guard import stop_if_not_finite
 from common.launch import require_single_process
 from common.loader import tensor_loader
 from common.models import build_model
@@ -58,7 +58,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
     set_seed(args.seed)
-    output_dir = resolve_output_dir(accelerator, args.output_dir, args.resume, __file__)
+    output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
     with accelerator.local_main_process_first():  # download and decode once, then read the cache
@@ -95,13 +95,12 @@ def main(args):
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
         "test_size": len(data.test_labels),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
-    if args.resume:
-        check_resume_config(output_dir, args)
-        checkpoint = latest_checkpoint(output_dir)
+    if checkpoint:
+        check_resume_config(checkpoint, args)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
-    elif accelerator.is_main_process:
+    if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
     start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
     stop_step = min(total_steps, args.max_steps or total_steps)
@@ -126,6 +125,7 @@ def main(args):
             images = transform.train(images, seed=(args.seed, progress.step))
             data_wait += time.perf_counter() - tick
             loss = criterion(model(images), labels)
+            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             optimizer.step()
@@ -138,6 +138,9 @@ def main(args):
             step_logger.log(progress.step, loss, lr)
             if progress.step >= stop_step:
                 break
+            if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
+                    and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+                save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
         train_loss = loss_sum.item() / trained  # .item() waits for the device, so the time is true
         epoch_time = time.perf_counter() - start

@@ -9,6 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import make_diffs  # noqa: E402 - docs/ is not a package
+
 PAIRS = {"train_dp": ("train_single", "DP"), "train_ddp": ("train_single", "DDP"), "train_amp": ("train_ddp", "AMP")}
 
 

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from common.tracking import has_wandb_credentials, track
 from test_train_single import ROOT
 from wandb_records import offline_run
+
+from common.tracking import has_wandb_credentials, track
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "200",
         "--model", "resnet20", "--batch-size", "64", "--epochs", "2", "--log-every", "4"]

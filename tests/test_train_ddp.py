@@ -12,11 +12,11 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import set_seed
+from test_train_single import ROOT, run, weights
 
 from common.errors import UserError
 from common.launch import check_world_size
 from common.models import build_model
-from test_train_single import ROOT, run, weights
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),

@@ -1,0 +1,368 @@
+"""common/data.py: every source format decodes to the same tensors, caches are reused and
+invalidated, synthetic data is deterministic, and bad input ends in one line naming the culprit.
+
+The fixtures write one small dataset (3 named classes, 24 train / 12 test random 32x32 images)
+in every format the loader reads, the way the real tools write them.
+"""
+
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import datasets
+import PIL.Image
+import pyarrow.parquet
+import pytest
+import torch
+
+from common import data as data_module
+from common.data import ImageData, load_image_data, make_synthetic
+from common.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = ["cat", "dog", "frog"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures: one dataset, written in every format
+
+@pytest.fixture(scope="session")
+def source() -> ImageData:
+    gen = torch.Generator().manual_seed(0)
+
+    def split(n):
+        images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=gen)
+        return images, torch.randperm(n, generator=gen) % len(CLASSES)
+    return ImageData(*split(24), *split(12), classes=CLASSES, source="test fixture")
+
+
+def png(image: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def hub_splits(source: ImageData, label_column: str = "label") -> datasets.DatasetDict:
+    """The schema of uoft-cs/cifar10 (img, label) or, with label_column="fine_label", of cifar100."""
+    features = {"img": datasets.Image(), label_column: datasets.ClassLabel(names=source.classes)}
+    if label_column == "fine_label":
+        features["coarse_label"] = datasets.ClassLabel(names=["animal"])
+
+    def split(images, labels):
+        columns = {"img": [{"bytes": png(image), "path": None} for image in images], label_column: labels.tolist()}
+        if label_column == "fine_label":
+            columns["coarse_label"] = [0] * len(labels)
+        return datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    return datasets.DatasetDict(train=split(source.train_images, source.train_labels),
+                                test=split(source.test_images, source.test_labels))
+
+
+def write_cifar_pickles(folder: Path, source: ImageData, cifar100: bool) -> None:
+    """torchvision's cifar-10-batches-py (5 train batches) or cifar-100-python layout."""
+    folder.mkdir(parents=True)
+
+    def batch(images, labels, name):
+        key = "fine_labels" if cifar100 else "labels"
+        entry = {"batch_label": name, key: labels.tolist(), "data": images.reshape(len(images), -1).numpy(),
+                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
+        if cifar100:
+            entry["coarse_labels"] = [0] * len(labels)
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+
+    if cifar100:
+        batch(source.train_images, source.train_labels, "train")
+        batch(source.test_images, source.test_labels, "test")
+        meta = ("meta", {"fine_label_names": source.classes, "coarse_label_names": ["animal"]})
+    else:
+        chunks = zip(source.train_images.tensor_split(5), source.train_labels.tensor_split(5))
+        for i, (images, labels) in enumerate(chunks, start=1):
+            batch(images, labels, f"data_batch_{i}")
+        batch(source.test_images, source.test_labels, "test_batch")
+        meta = ("batches.meta", {"num_cases_per_batch": 5, "label_names": source.classes, "num_vis": 3072})
+    with open(folder / meta[0], "wb") as f:
+        pickle.dump(meta[1], f, protocol=2)
+
+
+def write_image_folder(root: Path, source: ImageData) -> None:
+    splits = {"train": (source.train_images, source.train_labels), "test": (source.test_images, source.test_labels)}
+    for split, (images, labels) in splits.items():
+        for name in source.classes:
+            (root / split / name).mkdir(parents=True)
+        for i, (image, label) in enumerate(zip(images, labels)):
+            (root / split / source.classes[label] / f"{i:03d}.png").write_bytes(png(image))
+
+
+@pytest.fixture(scope="session")
+def formats(source, tmp_path_factory) -> dict[str, Path]:
+    """The data_dir to pass for each format."""
+    root = tmp_path_factory.mktemp("formats")
+    splits = hub_splits(source)
+    for split in ("train", "test"):
+        path = root / "parquet" / "plain_text" / f"{split}-00000-of-00001.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        splits[split].to_parquet(path)
+    splits.save_to_disk(root / "save_to_disk")
+    write_cifar_pickles(root / "cifar-10-batches-py", source, cifar100=False)
+    write_cifar_pickles(root / "c100" / "cifar-100-python", source, cifar100=True)
+    (root / "tar").mkdir()
+    with tarfile.open(root / "tar" / "cifar-10-python.tar.gz", "w:gz") as tar:
+        tar.add(root / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    write_image_folder(root / "image_folder", source)
+    return {
+        "parquet": root / "parquet",
+        "save_to_disk": root / "save_to_disk",
+        "cifar10_pickles": root / "cifar-10-batches-py",  # the folder itself
+        "cifar100_pickles": root / "c100",  # the folder that holds cifar-100-python
+        "cifar10_tar_in_dir": root / "tar",
+        "cifar10_tar_file": root / "tar" / "cifar-10-python.tar.gz",
+        "image_folder": root / "image_folder",
+    }
+
+
+def copy_of(path: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy" / path.name
+    target.parent.mkdir()
+    if path.is_dir():
+        shutil.copytree(path, target)
+    else:
+        shutil.copy(path, target)
+    return target
+
+
+def assert_same(loaded: ImageData, expected: ImageData) -> None:
+    for name in ("train_images", "train_labels", "test_images", "test_labels"):
+        got, want = getattr(loaded, name), getattr(expected, name)
+        assert got.dtype == want.dtype and got.is_contiguous(), name
+        assert torch.equal(got, want), name
+    assert loaded.classes == expected.classes
+
+
+def error_of(**kwargs) -> str:
+    with pytest.raises(UserError) as error:
+        load_image_data(**kwargs)
+    assert "\n" not in error.value.message
+    return error.value.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Every format gives the same tensors
+
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "cifar10_pickles", "cifar100_pickles",
+                                 "cifar10_tar_in_dir", "cifar10_tar_file", "image_folder"])
+def test_each_format_loads_the_source_bitwise(fmt, formats, source, tmp_path):
+    expected = source
+    if fmt == "image_folder":  # files are listed class by class, in the order they were written
+        train, test = source.train_labels.argsort(stable=True), source.test_labels.argsort(stable=True)
+        expected = ImageData(source.train_images[train], source.train_labels[train],
+                             source.test_images[test], source.test_labels[test], CLASSES, "")
+    loaded = load_image_data(data_dir=str(formats[fmt]), cache_dir=str(tmp_path))
+    assert_same(loaded, expected)
+    assert str(tmp_path) in loaded.source
+    assert_same(load_image_data(data_dir=str(formats[fmt]), cache_dir=str(tmp_path)), expected)  # from the cache
+
+
+def test_parquet_without_features_metadata_takes_names_from_the_readme(formats, source, tmp_path):
+    snapshot = tmp_path / "snapshot"
+    for split in ("train", "test"):  # as written by pyarrow or pandas: no `datasets` metadata
+        table = pyarrow.parquet.read_table(formats["parquet"] / "plain_text" / f"{split}-00000-of-00001.parquet")
+        (snapshot / "plain_text").mkdir(parents=True, exist_ok=True)
+        pyarrow.parquet.write_table(table.replace_schema_metadata(None),
+                                    snapshot / "plain_text" / f"{split}-00000-of-00001.parquet")
+    without_readme = load_image_data(data_dir=str(snapshot), cache_dir=str(tmp_path / "cache"))
+    assert without_readme.classes == ["0", "1", "2"]
+    assert torch.equal(without_readme.train_images, source.train_images)
+    names = "".join(f"          '{i}': {name}\n" for i, name in enumerate(CLASSES))
+    (snapshot / "README.md").write_text(
+        "---\ndataset_info:\n  config_name: plain_text\n  features:\n  - name: img\n    dtype: image\n"
+        f"  - name: label\n    dtype:\n      class_label:\n        names:\n{names}---\n# CIFAR\n")
+    assert_same(load_image_data(data_dir=str(snapshot), cache_dir=str(tmp_path / "cache")), source)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hub path and the caches
+
+@pytest.fixture
+def fake_hub(monkeypatch, source):
+    """load_dataset answers with the fixture in the Hub's schema; records the calls."""
+    calls = []
+
+    def load_dataset(repo, *args, **kwargs):
+        calls.append((repo, datasets.config.HF_HUB_OFFLINE))
+        return hub_splits(source, "fine_label" if repo.endswith("cifar100") else "label")
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(data_module, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    return calls
+
+
+@pytest.mark.parametrize("dataset, repo", [("cifar10", "uoft-cs/cifar10"), ("cifar100", "uoft-cs/cifar100")])
+def test_hub_dataset_is_decoded_then_served_from_our_cache(dataset, repo, fake_hub, source, tmp_path):
+    first = load_image_data(dataset, cache_dir=str(tmp_path))
+    assert_same(first, source)
+    assert fake_hub == [(repo, False)]
+    assert repo in first.source and str(tmp_path) in first.source
+    second = load_image_data(dataset, cache_dir=str(tmp_path))
+    assert fake_hub == [(repo, False)]  # no second call: no network needed
+    assert_same(second, source)
+    assert second.source == first.source
+
+
+def test_unreachable_hub_falls_back_to_the_datasets_cache_at_once(fake_hub, monkeypatch, source, tmp_path):
+    monkeypatch.setattr(data_module, "_hub_reachable", lambda endpoint: False)
+    assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
+    assert fake_hub == [("uoft-cs/cifar10", True)]  # load_dataset ran in offline mode
+    assert datasets.config.HF_HUB_OFFLINE is False  # and the flag was restored
+
+
+def test_unreadable_cache_file_is_rebuilt_with_a_warning(fake_hub, source, tmp_path, caplog):
+    load_image_data("cifar10", cache_dir=str(tmp_path))
+    (cache_file,) = tmp_path.glob("*.pt")
+    cache_file.write_bytes(cache_file.read_bytes()[:1000])  # as if a foreign writer had crashed
+    assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
+    assert len(fake_hub) == 2
+    assert "ignoring unreadable cache file" in caplog.text
+    assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
+    assert len(fake_hub) == 2  # the rebuilt file is good
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkeypatch):
+    folder = copy_of(formats["image_folder"], tmp_path)
+    cache = str(tmp_path / "cache")
+    decoded = []  # number of images per decoding pass
+    decode = data_module._decode_images
+    monkeypatch.setattr(data_module, "_decode_images", lambda items: decoded.append(len(items)) or decode(items))
+    before = load_image_data(data_dir=str(folder), cache_dir=cache)
+    assert_same(load_image_data(data_dir=str(folder), cache_dir=cache), before)
+    assert decoded == [24, 12]
+    changed = sorted((folder / "train" / "cat").iterdir())[0]
+    changed.write_bytes(png(torch.zeros(3, 32, 32, dtype=torch.uint8)))
+    stat = changed.stat()  # some filesystems keep mtime in whole seconds
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    after = load_image_data(data_dir=str(folder), cache_dir=cache)
+    assert decoded == [24, 12, 24, 12]
+    assert torch.equal(after.train_images[0], torch.zeros(3, 32, 32, dtype=torch.uint8))
+    assert torch.equal(after.train_images[1:], before.train_images[1:])
+
+
+def test_failed_cache_write_leaves_no_file_behind(formats, source, tmp_path, monkeypatch, caplog):
+    def crash_midway(obj, f):
+        f.write(b"half a cache file")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(torch, "save", crash_midway)
+    loaded = load_image_data(data_dir=str(formats["cifar10_pickles"]), cache_dir=str(tmp_path))
+    assert_same(loaded, source)  # the run goes on without a cache
+    assert "cached at" not in loaded.source
+    assert "could not write cache file" in caplog.text
+    assert not list(tmp_path.iterdir())
+
+
+def test_default_cache_dir_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("CIFAR_CACHE_DIR", "/data/cache")
+    assert data_module.default_cache_dir() == "/data/cache"
+    monkeypatch.delenv("CIFAR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert data_module.default_cache_dir() == "/xdg/multigpu-cifar"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_module.default_cache_dir() == os.path.expanduser("~/.cache/multigpu-cifar")
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic data
+
+def test_synthetic_is_deterministic_and_shaped_like_cifar():
+    a, b = make_synthetic(200, 50, num_classes=10, seed=3), make_synthetic(200, 50, num_classes=10, seed=3)
+    assert_same(a, b)
+    assert a.train_images.shape == (200, 3, 32, 32) and a.test_images.shape == (50, 3, 32, 32)
+    assert a.train_images.dtype == torch.uint8 and a.train_labels.dtype == torch.int64
+    assert a.classes == [f"class{i}" for i in range(10)]
+    assert set(a.train_labels.tolist()) == set(a.test_labels.tolist()) == set(range(10))
+    other = make_synthetic(200, 50, num_classes=10, seed=4)
+    assert not torch.equal(a.train_images, other.train_images)
+    assert torch.equal(make_synthetic(300, 50, seed=3).test_images, a.test_images)  # test split fixed by seed
+    assert 40 < a.train_images.float().mean() < 216 and a.train_images.float().std() > 30
+
+
+def test_load_image_data_makes_synthetic_data_from_its_arguments(tmp_path):
+    data = load_image_data("synthetic", cache_dir=str(tmp_path), synthetic_train_size=64,
+                           synthetic_test_size=16, synthetic_classes=4, seed=1)
+    assert len(data.train_images) == 64 and len(data.test_labels) == 16 and len(data.classes) == 4
+    assert not list(tmp_path.iterdir())  # never cached
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: one line, naming the thing and what to do
+
+def test_offline_without_cache_fails_fast_in_one_line(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_DATASETS_OFFLINE", None)
+    code = f"from common.data import load_image_data; load_image_data('cifar10', cache_dir={str(tmp_path / 'c')!r})"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert time.monotonic() - start < 10
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "cifar10" in line and "--data-dir" in line and "--dataset synthetic" in line
+
+
+def test_truncated_parquet_is_named(formats, tmp_path):
+    snapshot = copy_of(formats["parquet"], tmp_path)
+    broken = snapshot / "plain_text" / "train-00000-of-00001.parquet"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+    assert str(broken) in error_of(data_dir=str(snapshot), cache_dir=str(tmp_path / "cache"))
+
+
+def test_truncated_tar_gz_is_named(formats, tmp_path):
+    archive = copy_of(formats["cifar10_tar_file"], tmp_path)
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    assert str(archive) in error_of(data_dir=str(archive), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other size"])
+def test_bad_image_in_image_folder_is_named(damage, formats, tmp_path):
+    folder = copy_of(formats["image_folder"], tmp_path)
+    broken = sorted((folder / "test" / "dog").iterdir())[0]
+    if damage == "garbage":
+        broken.write_bytes(b"not a png at all")
+    elif damage == "truncated":
+        broken.write_bytes(broken.read_bytes()[:200])
+    else:
+        broken.write_bytes(png(torch.zeros(3, 16, 16, dtype=torch.uint8)))
+    assert str(broken) in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "not a pickle"])
+def test_bad_cifar_batch_is_named(damage, formats, tmp_path):
+    folder = copy_of(formats["cifar10_pickles"], tmp_path)
+    if damage == "missing":
+        (folder / "data_batch_3").unlink()
+    else:
+        (folder / "data_batch_3").write_bytes(b"\x80\x02garbage")
+    assert str(folder / "data_batch_3") in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+
+
+def test_data_dir_and_dataset_errors(tmp_path):
+    assert "does not exist" in error_of(data_dir=str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    assert "is empty" in error_of(data_dir=str(tmp_path / "empty"))
+    (tmp_path / "other" / "stuff").mkdir(parents=True)
+    (tmp_path / "other" / "notes.txt").write_text("hello")
+    assert "no data in a known format" in error_of(data_dir=str(tmp_path / "other"))
+    message = error_of(dataset="imagenet")
+    assert "'imagenet'" in message and "cifar10, cifar100, synthetic" in message
+    assert "--data-dir" in error_of(dataset="synthetic", data_dir=str(tmp_path))
+
+
+def test_image_folder_with_different_test_classes_is_refused(formats, tmp_path):
+    folder = copy_of(formats["image_folder"], tmp_path)
+    (folder / "test" / "frog").rename(folder / "test" / "toad")
+    assert "toad" in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
