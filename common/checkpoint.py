@@ -68,10 +68,8 @@ def resolve_run(accelerator, output_dir: str | None, resume: str | None, script:
     else:
         check_output_dir(path, resume)
         checkpoint = latest_checkpoint(path) if resume else None
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        path.mkdir(parents=True, exist_ok=True)
-    return path, checkpoint
+    accelerator.wait_for_everyone()  # every process has checked before the main one writes anything
+    return path, checkpoint  # created with the first file written into it, so bad input leaves nothing
 
 
 def check_output_dir(output_dir: Path, resume: str | None) -> None:
@@ -111,10 +109,17 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
         shutil.rmtree(partial, ignore_errors=True)  # a leftover from a process killed while saving
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
+    try:
+        accelerator.save_state(str(partial))
+        if accelerator.is_main_process:
+            _fsync_tree(partial)
+    except OSError as error:  # a full disk, a quota: keep the previous checkpoint and say so
+        shutil.rmtree(partial, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        raise UserError(f"cannot write checkpoint {final} ({error.strerror or error}); the previous one, "
+                        f"{previous or 'none yet'}, is intact: free space in {folder.parent} and --resume") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _fsync_tree(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _fsync_dir(folder)

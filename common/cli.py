@@ -7,9 +7,19 @@ from common.errors import UserError
 from common.models import model_names
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (not the whole usage) like every other error here."""
+
+    def __init__(self, doc: str):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see --help\n")
+
+
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the shared flags; a script adds only the flags of its own strategy."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(doc)
     add_data_args(parser)
 
     train = parser.add_argument_group("training")

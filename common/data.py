@@ -464,10 +464,12 @@ def make_synthetic(train_size: int, test_size: int, num_classes: int = 10, seed:
     independent draw from the same distribution and does not depend on train_size. Deterministic
     for a seed; the global RNG is left alone. About 2 s for 50,000 images on 2 cores.
     """
-    if num_classes < 2 or min(train_size, test_size) < num_classes or image_size % 8:
-        raise UserError(f"synthetic data needs 2 or more classes, at least one image per class in each split "
-                        f"and a size that is a multiple of 8; got {num_classes} classes, {train_size} train "
-                        f"and {test_size} test images of {image_size} px")
+    if num_classes < 2 or image_size % 8:
+        raise ValueError(f"need 2 or more classes and an image size divisible by 8, got {num_classes}, {image_size}")
+    if min(train_size, test_size) < num_classes:
+        raise UserError(f"synthetic data needs at least one image per class in each split, got {train_size} train "
+                        f"and {test_size} test images for {num_classes} classes; raise --synthetic-train-size "
+                        f"or --synthetic-test-size")
     gen = torch.Generator().manual_seed(seed)
     coarse, scale = 8, image_size // 8
     field = torch.nn.functional.pad(torch.randn(num_classes, 3, coarse, coarse, generator=gen),

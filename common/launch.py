@@ -2,6 +2,8 @@
 
 import os
 
+import torch
+
 from common.errors import UserError
 
 
@@ -17,6 +19,16 @@ def require_single_process(script: str) -> None:
         raise UserError(f"{script} trains in one process but was launched as {world_size} processes "
                         f"(WORLD_SIZE={world_size}): use scripts/train_ddp.py for several processes, or "
                         f"launch with --num_processes 1")
+
+
+def check_gpus_per_node() -> None:
+    """One process per GPU: a launch with more processes on a node than it has GPUs (8gpu.yaml on a
+    4-GPU machine) would otherwise fail deep inside CUDA with "invalid device ordinal"."""
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if gpus and local_rank >= gpus:
+        local_size = os.environ.get("LOCAL_WORLD_SIZE", "more")
+        raise UserError(f"the launch starts {local_size} processes on this node but it has {gpus} GPUs: pass "
+                        f"--num_processes {gpus} (per node) to accelerate launch, or use a config for {gpus} GPUs")
 
 
 def check_world_size(accelerator) -> None:

@@ -30,6 +30,7 @@ def versions() -> dict[str, str]:
 def write_json(path: Path, obj) -> None:
     """Write JSON under a temporary name, then rename: never a half-written file."""
     partial = Path(path).with_name(f".tmp-{Path(path).name}")
+    partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(partial, path)
 

@@ -9,14 +9,12 @@ normalisation (computed from the training split) are the same.
     python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 --data-dir ~/data/cifar10
 """
 
-import argparse
-
 from accelerate import Accelerator
 from safetensors import safe_open
 
 from common.augment import BatchTransform, channel_stats
 from common.checkpoint import load_weights
-from common.cli import add_data_args
+from common.cli import Parser, add_data_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
@@ -25,7 +23,7 @@ from common.models import build_model
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(__doc__)
     parser.add_argument("--weights", required=True,
                         help="model.safetensors of a run, or a torch.save'd state dict (.pt/.pth/.bin)")
     parser.add_argument("--model", default=None,

@@ -45,7 +45,7 @@ from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.guard import stop_if_not_finite
-from common.launch import check_batch_split, check_world_size
+from common.launch import check_batch_split, check_gpus_per_node, check_world_size
 from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
@@ -71,6 +71,7 @@ def parse_args(argv=None):
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
+    check_gpus_per_node()  # DDP: one process per GPU, never more
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         cpu=not torch.cuda.is_available(),  # DDP: without it, no GPU means N lone trainings, not gloo

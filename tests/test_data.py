@@ -295,6 +295,7 @@ def test_load_image_data_makes_synthetic_data_from_its_arguments(tmp_path):
                            synthetic_test_size=16, synthetic_classes=4, seed=1)
     assert len(data.train_images) == 64 and len(data.test_labels) == 16 and len(data.classes) == 4
     assert not list(tmp_path.iterdir())  # never cached
+    assert "--synthetic-test-size" in error_of(dataset="synthetic", synthetic_test_size=3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Bad input: one line naming the wrong value and what to do, a non-zero exit within seconds, and
+nothing lost. The same list is the table "Bad input" in README.md."""
+
+import errno
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.checkpoint import save_checkpoint
+from common.errors import UserError
+from common.launch import check_gpus_per_node
+from test_train_single import ROOT
+
+BIN = Path(sys.executable).parent
+DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
+SMALL = [*DATA, "--model", "resnet20", "--batch-size", "64", "--report-to", "none"]
+
+
+def python(script):
+    return [sys.executable, str(ROOT / "scripts" / script)]
+
+
+def accelerate(config="4gpu.yaml"):
+    return [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+            "--num_processes", "2"]
+
+
+def make_run(folder: Path, model="resnet20"):
+    """An earlier run's record: config.json, a checkpoint, weights."""
+    (folder / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (folder / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    (folder / "config.json").write_text('{"args": {"model": "%s", "batch_size": 64}}' % model)
+    (folder / "model.safetensors").write_bytes(b"final weights of an earlier run")
+
+
+def corrupt_parquet(folder: Path):
+    (folder / "plain_text").mkdir(parents=True)
+    for split in ("train", "test"):
+        (folder / "plain_text" / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1 truncated")
+
+
+def empty(folder: Path):
+    folder.mkdir()
+
+
+def bad_yaml(folder: Path):
+    folder.mkdir()
+    (folder / "bad.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: [\n")
+
+
+# case: (command, arguments with {tmp} for the test's folder, setup, what the last line must say)
+CASES = {
+    "unknown model": (python("train_single.py"), [*DATA, "--model", "resnet99"], None,
+                      "error: unknown model 'resnet99': choose one of resnet18"),
+    "unknown dataset": (python("train_single.py"), ["--dataset", "imagenet"], None,
+                        "error: argument --dataset: invalid choice: 'imagenet'"),
+    "unknown schedule": (python("train_single.py"), ["--schedule", "cosine"], None,
+                         "error: argument --schedule: invalid choice: 'cosine'"),
+    "batch size 0": (python("train_single.py"), [*SMALL, "--batch-size", "0"], None,
+                     "error: --batch-size 0: must be 1 or more"),
+    "negative batch size": (python("train_single.py"), [*SMALL, "--batch-size", "-8"], None,
+                            "error: --batch-size -8: must be 1 or more"),
+    "epochs 0": (python("train_single.py"), [*SMALL, "--epochs", "0"], None, "error: --epochs 0: must be 1 or more"),
+    "batch size that does not divide": (accelerate() + [str(ROOT / "scripts" / "train_ddp.py")],
+                                        [*SMALL, "--batch-size", "63"], None,
+                                        "error: --batch-size 63 does not divide by 2 processes: use 62 or 64"),
+    "missing --data-dir": (python("train_single.py"), ["--data-dir", "{tmp}/nowhere"], None,
+                           "error: --data-dir {tmp}/nowhere does not exist"),
+    "empty --data-dir": (python("train_single.py"), ["--data-dir", "{tmp}/data"], lambda t: empty(t / "data"),
+                         "error: --data-dir {tmp}/data is empty"),
+    "corrupt data file": (python("train_single.py"), ["--data-dir", "{tmp}/data"],
+                          lambda t: corrupt_parquet(t / "data"), "{tmp}/data/plain_text/t"),
+    "--output-dir holding another run": (python("train_single.py"), [*SMALL, "--output-dir", "{tmp}/old"],
+                                         lambda t: make_run(t / "old"),
+                                         "error: --output-dir {tmp}/old already holds a run: add --resume"),
+    "--resume with nothing to resume": (python("train_single.py"),
+                                        [*SMALL, "--output-dir", "{tmp}/new", "--resume"], None,
+                                        "error: --resume: {tmp}/new does not exist"),
+    "--resume a checkpoint of another model": (python("train_single.py"),
+                                               [*SMALL, "--output-dir", "{tmp}/old", "--resume"],
+                                               lambda t: make_run(t / "old", model="resnet32"),
+                                               "error: --resume: --model is 'resnet20' but the run in {tmp}/old "
+                                               "used 'resnet32'"),
+    "--resume a folder that is no checkpoint": (python("train_single.py"), [*SMALL, "--resume", "{tmp}/old"],
+                                                lambda t: make_run(t / "old"),
+                                                "error: --resume {tmp}/old: not a checkpoint folder"),
+    "fp16 on a CPU": (python("train_amp.py"), [*SMALL, "--mixed-precision", "fp16"], None,
+                      "error: --mixed-precision fp16 needs a GPU"),
+    "--sync-bn on a CPU": (python("train_ddp.py"), [*SMALL, "--sync-bn"], None, "error: --sync-bn needs GPUs"),
+    "Accelerate config that does not exist": (accelerate("nothing.yaml") + [str(ROOT / "scripts" / "train_ddp.py")],
+                                              SMALL, None, "configuration file `{root}/accelerate_configs/nothing.yaml` "
+                                                           "does not exist"),
+    "malformed Accelerate config": ([str(BIN / "accelerate"), "launch", "--config_file", "{tmp}/cfg/bad.yaml",
+                                     str(ROOT / "scripts" / "train_ddp.py")], SMALL, lambda t: bad_yaml(t / "cfg"),
+                                    'in "{tmp}/cfg/bad.yaml", line 3'),
+    "one-process script launched as several": ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                                                str(ROOT / "scripts" / "train_single.py")], SMALL, None,
+                                               "train_single.py trains in one process but was launched as 2"),
+}
+
+
+def tree_digest(folder: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gets_one_line(case, tmp_path):
+    command, arguments, setup, expected = CASES[case]
+    if setup:
+        setup(tmp_path)
+    before = tree_digest(tmp_path)
+    fill = {"tmp": str(tmp_path), "root": str(ROOT)}
+    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
+    start = time.time()
+    done = subprocess.run([part.format(**fill) for part in command + arguments], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    elapsed = time.time() - start
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    stderr = done.stderr.strip()
+    assert expected.format(**fill) in stderr, stderr
+    if command[0] == sys.executable:  # our own scripts: exactly one line, no traceback
+        assert len(stderr.splitlines()) == 1 and stderr.startswith("error: "), stderr
+    # Nothing lost: earlier files untouched, and nothing new but the data cache.
+    after = {p: h for p, h in tree_digest(tmp_path).items() if "/.cache/" not in p}
+    assert after == before
+
+
+def test_a_port_already_in_use():
+    """torchrun stops at once naming the port; accelerate launch on one node picks a free one."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+                               str(ROOT / "scripts" / "train_ddp.py"), *SMALL], capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode != 0
+    assert f"port: {port}" in done.stderr.strip().splitlines()[-1] and "address already in use" in done.stderr
+
+
+def test_more_processes_than_gpus(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UserError, match="the launch starts 8 processes on this node but it has 4 GPUs: pass "
+                                        "--num_processes 4"):
+        check_gpus_per_node()
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    check_gpus_per_node()
+
+
+def test_no_disk_space_for_a_checkpoint(tmp_path):
+    """The failed checkpoint is removed, the previous one stays, and the line says what to do."""
+    previous = tmp_path / "checkpoints" / "step_00000004"
+    previous.mkdir(parents=True)
+    (previous / "model.safetensors").write_bytes(b"good")
+
+    class FullDisk:
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            pass
+
+        def save_state(self, folder):
+            Path(folder, "model.safetensors").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError) as error:
+        save_checkpoint(FullDisk(), tmp_path, step=8, keep=2)
+    assert error.value.message == (f"cannot write checkpoint {tmp_path}/checkpoints/step_00000008 (No space left "
+                                   f"on device); the previous one, {previous}, is intact: free space in {tmp_path} "
+                                   f"and --resume")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
+    assert (previous / "model.safetensors").read_bytes() == b"good"
