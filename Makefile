@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test diffs clean
+.PHONY: demo test ddp diffs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,19 @@ $(BIN)/.installed: requirements.txt pyproject.toml
 # A CIFAR-sized ResNet-20 on the synthetic dataset: no download, about two minutes on 2 CPU cores.
 demo: $(BIN)/.installed
 	$(BIN)/python scripts/train_single.py --dataset synthetic --model resnet20 --epochs 8
+
+# DDP that survives a crashed worker: torchrun restarts the job (up to 3 times) and every process
+# resumes from the newest checkpoint by itself. The restart needs the c10d rendezvous, and the
+# launcher must not share its TCP store with it, or the restarted job hangs (BRIEF.md).
+# make ddp NPROC=4 ARGS="--model resnet50" OUTPUT_DIR=runs/my-run
+NPROC ?= 2
+CONFIG ?= accelerate_configs/4gpu.yaml
+OUTPUT_DIR ?= runs/train_ddp-$(shell date +%Y%m%d-%H%M%S)
+ARGS ?= --dataset synthetic --model resnet20 --checkpoint-every 50
+ddp: $(BIN)/.installed
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/accelerate launch --config_file $(CONFIG) \
+		--num_processes $(NPROC) --max_restarts 3 --rdzv_backend c10d \
+		scripts/train_ddp.py --output-dir $(OUTPUT_DIR) $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -5,7 +5,7 @@ scripts with torch.save, including the ``module.`` prefix that a DataParallel/DD
 leaves on every key. Use the same data flags as the training run, so the test split and the
 normalisation (computed from the training split) are the same.
 
-    python scripts/evaluate.py --weights runs/single-20260101-120000/model.safetensors
+    python scripts/evaluate.py --weights runs/train_single-20260101-120000/model.safetensors
     python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 --data-dir ~/data/cifar10
 """
 

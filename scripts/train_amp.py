@@ -22,7 +22,7 @@ Launch:
     torchrun --nproc_per_node 4 scripts/train_amp.py --mixed-precision bf16
     accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_amp.py \
         --mixed-precision bf16 --dataset synthetic --model resnet20     # 2-process bf16 DDP on a CPU
-Resume: the same command plus --output-dir runs/amp-... --resume.
+Resume: the same command plus --output-dir runs/train_amp-... --resume.
 """
 
 import argparse

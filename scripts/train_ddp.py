@@ -25,7 +25,7 @@ Launch (one node; --num_processes overrides the config's count):
     accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_ddp.py \
         --dataset synthetic --model resnet20          # real 2-process DDP on a CPU-only machine (gloo)
 Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_configs/slurm_2nodes.sh.
-Resume: the same command plus --output-dir runs/ddp-... --resume.
+Resume: the same command plus --output-dir runs/train_ddp-... --resume.
 """
 
 import argparse

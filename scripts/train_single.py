@@ -16,7 +16,7 @@ Launch:
     python scripts/train_single.py --schedule step --warmup-epochs 0  # the articles' recipe: lr 0.1, /10
                                                                       # after epochs 4, 9, 14
 Resume a stopped run (same flags, plus):
-    python scripts/train_single.py ... --output-dir runs/single-20260101-120000 --resume
+    python scripts/train_single.py ... --output-dir runs/train_single-20260101-120000 --resume
 """
 
 import json

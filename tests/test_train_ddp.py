@@ -160,28 +160,7 @@ def test_amp_bf16_on_cpu_really_runs_in_bf16(ddp_run, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- refusals
-
-def test_fp16_on_cpu_is_refused(tmp_path):
-    done = run("train_amp.py", *SMALL, "--mixed-precision", "fp16", "--output-dir", tmp_path / "run", check=False)
-    assert done.returncode != 0
-    assert done.stderr.strip() == ("error: --mixed-precision fp16 needs a GPU (on a CPU Accelerate would train in "
-                                   "fp32 without a word): use --mixed-precision bf16")
-    assert not (tmp_path / "run").exists()
-
-
-def test_sync_bn_on_cpu_is_refused(tmp_path):
-    done = run("train_ddp.py", *SMALL, "--sync-bn", "--output-dir", tmp_path / "run", check=False)
-    assert done.returncode != 0
-    assert done.stderr.strip() == "error: --sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn"
-
-
-def test_a_batch_that_does_not_divide_is_refused(tmp_path):
-    done = launch(ACCELERATE, "train_ddp.py", *SMALL, "--batch-size", 63, "--output-dir", tmp_path / "run",
-                  check=False)
-    assert done.returncode != 0
-    assert "error: --batch-size 63 does not divide by 2 processes: use 62 or 64" in done.stderr
-    assert not (tmp_path / "run").exists()
-
+# fp16 and --sync-bn on a CPU, and a batch that does not divide: tests/test_bad_input.py.
 
 def test_the_independent_runs_trap_is_caught(monkeypatch):
     """torchrun without CUDA and without cpu=True: every process thinks it is alone."""
