@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import torch
+from filelock import FileLock
 
 from common.errors import UserError
 
@@ -96,7 +97,18 @@ def default_cache_dir() -> str:
 # Cache: one torch.save file per source
 
 def _cached(path: Path, build) -> ImageData:
-    """Load the cache file at `path`, or build the data, save it there atomically and return it."""
+    """Load the cache file at `path`, or build the data, save it there atomically and return it.
+
+    Processes that start together (DDP) all call this: the first to take the file lock downloads
+    and decodes, the others wait for the lock and then read its cache. A lock, not a collective
+    barrier, so a long first download is not cut short by the process group's timeout.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        return _load_or_build(path, build)
+
+
+def _load_or_build(path: Path, build) -> ImageData:
     if path.exists():
         try:
             saved = torch.load(path, weights_only=True)

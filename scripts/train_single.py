@@ -61,9 +61,9 @@ def main(args):
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
-    with accelerator.local_main_process_first():  # download and decode once, then read the cache
-        data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
-                               args.synthetic_test_size)
+    # The first process to get there downloads and decodes; the others wait, then read its cache.
+    data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
+                           args.synthetic_test_size)
     if len(data.train_labels) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
                         f"training images: use a smaller --batch-size")

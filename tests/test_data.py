@@ -367,3 +367,29 @@ def test_image_folder_with_different_test_classes_is_refused(formats, tmp_path):
     folder = copy_of(formats["image_folder"], tmp_path)
     (folder / "test" / "frog").rename(folder / "test" / "toad")
     assert "toad" in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+
+
+def test_processes_that_start_together_decode_once(tmp_path):
+    """Several processes (as under DDP) ask at once: one builds the cache, the others read it."""
+    import multiprocessing
+
+    folder = tmp_path / "cache"
+    builds = multiprocessing.get_context("spawn").Manager().list()
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        results = pool.starmap(_build_through_cache, [(str(folder), builds)] * 3)
+    assert len(builds) == 1 and len(set(results)) == 1
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def _build_through_cache(folder, builds):
+    import time
+
+    from common import data as data_module
+
+    def build():
+        builds.append(1)
+        time.sleep(1)  # long enough for the others to find the cache missing and wait
+        return data_module.make_synthetic(20, 10, num_classes=2, seed=0)
+
+    data = data_module._cached(Path(folder) / "shared.pt", build)
+    return int(data.train_images.sum())
