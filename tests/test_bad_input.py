@@ -15,7 +15,7 @@ import pytest
 from common.checkpoint import save_checkpoint
 from common.errors import UserError
 from common.launch import check_gpus_per_node
-from test_train_single import ROOT
+from helpers import ROOT
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]

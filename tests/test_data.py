@@ -261,7 +261,7 @@ def test_failed_cache_write_leaves_no_file_behind(formats, source, tmp_path, mon
     assert_same(loaded, source)  # the run goes on without a cache
     assert "cached at" not in loaded.source
     assert "could not write cache file" in caplog.text
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir() if p.suffix != ".lock"] == []  # the lock file may stay
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch):
@@ -301,14 +301,20 @@ def test_load_image_data_makes_synthetic_data_from_its_arguments(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Errors: one line, naming the thing and what to do
 
-def test_offline_without_cache_fails_fast_in_one_line(tmp_path):
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_DATASETS_OFFLINE", None)
-    code = f"from common.data import load_image_data; load_image_data('cifar10', cache_dir={str(tmp_path / 'c')!r})"
-    start = time.monotonic()
+@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["HF_HUB_OFFLINE", "unreachable Hub"])
+def test_offline_without_cache_fails_fast_in_one_line(tmp_path, offline):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), **offline)
+    # The clock starts after the imports, which alone take seconds on a busy 2-core machine.
+    code = ("import sys, time; from common.data import load_image_data; start = time.monotonic()\n"
+            "try:\n"
+            f"    load_image_data('cifar10', cache_dir={str(tmp_path / 'c')!r})\n"
+            "finally:\n"
+            "    print(f'{time.monotonic() - start:.2f}')")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=60)
-    assert time.monotonic() - start < 10
+                            timeout=120)
+    assert float(result.stdout) < 10, "no minute of retries"
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
@@ -382,7 +388,6 @@ def test_processes_that_start_together_decode_once(tmp_path):
 
 
 def _build_through_cache(folder, builds):
-    import time
 
     from common import data as data_module
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 from accelerate import Accelerator
-from test_train_single import DATA, ROOT, run, weights
+from helpers import DATA, ROOT, run, weights
 
 import common.gpu
 from common.errors import UserError

@@ -1,47 +1,20 @@
 """train_single.py and evaluate.py run as a user runs them: as subprocesses, on the synthetic set."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from common.models import build_model
+from helpers import DATA, TINY, run, wandb_runs, weights
+from wandb_records import offline_run
 
-ROOT = Path(__file__).resolve().parents[1]
-# Small enough for 2 CPU cores: 1,024 images at batch 64 is 16 steps an epoch.
-DATA = ["--dataset", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "300"]
-TINY = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "3"]
 LOG_LINE = re.compile(r"^epoch=(\d+)/(\d+) step=(\d+) batch=(\d+) lr=\S+ train_loss=\d+\.\d{4} "
                       r"test_acc=(\d\.\d{4}) epoch_time_s=\S+ img_per_s=\d+ data_wait_frac=\d\.\d{3}$")
-
-
-def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), check=True):
-    env = {**os.environ, "CIFAR_CACHE_DIR": str(Path(cwd) / ".cache"),
-           "WANDB_MODE": "offline", **(env_extra or {})}
-    done = subprocess.run([*launcher, str(ROOT / "scripts" / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if check and done.returncode != 0:
-        raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return done
-
-
-def weights(run_dir):
-    return load_file(str(Path(run_dir) / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """One uninterrupted 3-epoch run, shared by the tests below."""
-    out = tmp_path_factory.mktemp("full") / "run"
-    done = run("train_single.py", *TINY, "--output-dir", out)
-    return out, done
 
 
 def test_learns_and_writes_the_run_record(full_run):
@@ -97,15 +70,20 @@ def test_resume_mid_epoch_equals_uninterrupted_bitwise(full_run, tmp_path):
     # metrics.jsonl holds one line per finished epoch, as the uninterrupted run does.
     epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [1, 2, 3]
+    # The resumed job logs to the same wandb run and continues its step count.
+    first, second = (offline_run(path) for path in wandb_runs(out))
+    assert first["id"] == second["id"]
+    assert max(first["history"]) == 23 and min(k for k in second["history"] if k is not None) > 23
 
 
 def test_a_different_seed_gives_different_weights(full_run, tmp_path):
     """Negative control: the bitwise comparison above can fail."""
     reference, _ = full_run
     out = tmp_path / "run"
-    run("train_single.py", *TINY, "--epochs", 1, "--seed", 1, "--output-dir", out)
+    done = run("train_single.py", *TINY, "--epochs", 1, "--seed", 1, "--report-to", "none", "--output-dir", out)
     ours, theirs = weights(out), weights(reference)
     assert not all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not (out / "wandb").exists() and "wandb" not in done.stdout  # --report-to none: no tracking
 
 
 def test_an_existing_run_is_never_overwritten(full_run, tmp_path):

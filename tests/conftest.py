@@ -1,0 +1,11 @@
+import pytest
+
+from helpers import TINY, run
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """One uninterrupted 3-epoch train_single run, tracked offline, shared by several test files."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    done = run("train_single.py", *TINY, "--log-every", 8, "--output-dir", out)
+    return out, done

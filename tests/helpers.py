@@ -1,0 +1,43 @@
+"""What the tests share: running the scripts as a user does, and reading what they leave."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+# Small enough for 2 CPU cores: 1,024 images at batch 64 is 16 steps an epoch.
+DATA = ["--dataset", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "300"]
+TINY = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "3"]
+
+
+def user_env(**extra) -> dict:
+    """The environment of a user who never logged in to wandb: no WANDB_* variable, no API key in
+    ~/.netrc (HOME is an empty folder), so runs are tracked offline by default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    home = Path(tempfile.gettempdir()) / "multigpu-cifar-test-home"
+    home.mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), **extra}
+
+
+def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), check=True):
+    """Run scripts/<script> with ``launcher`` (python, torchrun, accelerate launch ...)."""
+    env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), **(env_extra or {}))
+    done = subprocess.run([*launcher, str(ROOT / "scripts" / script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def weights(run_dir):
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def wandb_runs(run_dir: Path) -> list[Path]:
+    """The offline wandb run folders a run left next to its record."""
+    return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))

@@ -1,0 +1,166 @@
+"""scripts/benchmark.py and scripts/check_gpus.py end to end on the CPU, as users run them.
+
+The figures of a tiny run on a shared CPU are noise; these tests check what the files claim: that
+each row launched its real script the way users do (2-process DDP through accelerate launch really
+ran 2 processes), that img/s is the protocol's formula over the recorded runs, that the three
+report files are well formed, and that check_gpus verifies a real gloo all-reduce and fails, with
+advice, when the sum or a GPU-to-GPU copy comes back wrong.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from helpers import ROOT
+
+TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
+        "--checks", "overhead", "data", "precision", "compute", "--loader-images", "256", "--matmul-size", "256",
+        "--sweep-batch-size", "16"]
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(path, *args):
+    # One thread per process: on a 2-core machine shared with other tests, an OpenMP thread that waits
+    # for a descheduled sibling spins, and a tiny training run took 10x longer with 2 threads. Speed
+    # is not what these tests check.
+    return subprocess.run([sys.executable, str(path), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+# ------------------------------------------------------------------------------ benchmark.py
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = run_script(ROOT / "scripts" / "benchmark.py", *TINY, "--output-dir", out)
+    assert done.returncode == 0, f"benchmark.py failed:\n{done.stdout}\n{done.stderr}"
+    return out, json.loads((out / "benchmark.json").read_text()), done.stdout
+
+
+def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
+    _, result, _ = report
+    assert {"cpu", "cpu_cores", "gpus", "versions", "load_average"} <= set(result["machine"])
+    assert result["machine"]["gpus"] == [] and result["machine"]["versions"]["torch"] == torch.__version__
+    assert "N and 2N optimizer steps" in result["protocol"] and result["steps"] == 10
+    single, ddp2 = result["rows"]
+    assert (single["name"], ddp2["name"]) == ("single", "ddp2")
+    assert single["command"].startswith(f"{sys.executable} scripts/train_single.py --model resnet20 --batch-size 16")
+    assert "accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_ddp.py" \
+        in ddp2["command"]
+    assert ddp2["global_batch"] == 16 and ddp2["devices"] == 1  # the CPU is one device, whatever the processes
+    # Peak memory is per training process: the DDP row really ran two (ranks 0 and 1).
+    assert len(single["peak_memory_gb"]) == 1 and len(ddp2["peak_memory_gb"]) == 2
+    assert all(0.1 < gb < 20 for gb in single["peak_memory_gb"] + ddp2["peak_memory_gb"])
+    for row in result["rows"]:
+        assert "error" not in row, row.get("error")
+        fastest = {k: min(r["epoch_time_s"] for r in row["runs"] if r["steps"] == k) for k in (10, 20)}
+        assert row["img_per_s"] == pytest.approx(10 * row["global_batch"] / (fastest[20] - fastest[10]))
+        assert row["epoch_50k_s"] == pytest.approx(50_000 / row["img_per_s"])
+        assert 0 <= row["data_wait_frac"] < 1
+    assert single["speedup"] == 1 and ddp2["efficiency"] == pytest.approx(ddp2["img_per_s"] / single["img_per_s"])
+    # The sweep at the rows' batch size reuses the single row instead of launching it again.
+    assert [r["per_device_batch"] for r in result["sweep"]] == [16] and result["sweep"][0]["runs"] == single["runs"]
+
+
+def test_checks_state_each_ratio_against_its_target(report):
+    _, result, stdout = report
+    checks = {c["check"].split(":")[0]: c for c in result["checks"]}
+    assert set(checks) == {"overhead", "data", "data wait", "precision", "compute"}
+    assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
+    assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
+    assert checks["compute"]["target"] == ">= 85 %"
+    single = result["rows"][0]
+    assert checks["overhead"]["value"] == pytest.approx(single["img_per_s"] / max(result["plain_loop_img_per_s"]["fp32"]))
+    for name, target in {"overhead": 0.97, "data": 5, "precision": 1.8, "compute": 0.85}.items():
+        assert checks[name]["passed"] == (checks[name]["value"] >= target) and checks[name]["value"] > 0
+    assert checks["data wait"]["passed"] == (checks["data wait"]["value"] < 0.02)
+    assert "| overhead: train_single / plain PyTorch loop |" in stdout  # the checks table is printed too
+
+
+def test_report_files_are_well_formed(report):
+    out, result, _ = report
+    markdown = (out / "benchmark.md").read_text()
+    assert "| strategy | processes | global batch | img/s | 50,000-image epoch | speed-up | scaling efficiency |" \
+           in markdown
+    assert "| `single`: train_single, fp32 | 1 | 16 |" in markdown
+    assert "| `ddp2`: train_ddp, 2 processes on gloo, fp32 | 2 | 16 |" in markdown
+    assert "Protocol: each row launches its script twice" in markdown
+    assert "## Batch size sweep (`single`)" in markdown and "## Checks" in markdown
+    assert markdown.count("PASS") + markdown.count("BELOW") == len(result["checks"])
+    with Image.open(out / "benchmark.png") as image:
+        assert image.format == "PNG" and image.width > 800 and image.height > 200
+
+
+def test_gpu_rows_follow_the_gpu_count(monkeypatch):
+    benchmark = load_script("benchmark")
+    assert list(benchmark.available_strategies(0)) == ["single", "bf16", "ddp2"]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16"]
+    assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "ddp6-fp16",
+                                                       "ddp6-bf16"]
+    rows = benchmark.available_strategies(4)
+    assert rows["ddp4-bf16"].launcher()[-4:] == ["--config_file", "accelerate_configs/4gpu.yaml",
+                                                  "--num_processes", "4"]
+    assert rows["ddp4-bf16"].flags == ("--mixed-precision", "bf16") and rows["dp"].launcher() == [sys.executable]
+
+
+# ----------------------------------------------------------------------------- check_gpus.py
+
+def test_check_gpus_on_a_cpu_verifies_a_gloo_all_reduce():
+    done = run_script(ROOT / "scripts" / "check_gpus.py", "--size-mb", "1", "--iters", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "INFO  devices: no GPU" in done.stdout
+    assert "PASS  all-reduce, 2 processes on gloo: sum verified on every process" in done.stdout
+    assert "check_gpus: every check passed" in done.stdout
+
+
+def test_check_gpus_fails_with_advice_when_the_sum_is_wrong(tmp_path):
+    # A patched copy of the script whose all-reduce delivers one wrong value per process.
+    source = (ROOT / "scripts" / "check_gpus.py").read_text()
+    verified = "    dist.all_reduce(result)  #"
+    assert source.count(verified) == 1
+    patched = tmp_path / "check_gpus.py"
+    patched.write_text(source.replace(verified, "    dist.all_reduce(result); result[rank] += 1  #"))
+    done = run_script(patched, "--size-mb", "1", "--iters", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("FAIL  all-reduce, 2 processes on gloo: wrong sums (process 0: 1 of 250000, process 1: 1 of 250000 "
+            "values differ from the known answer)") in done.stdout
+    assert "      try: " in done.stdout and "check_gpus: 1 check(s) failed" in done.stdout
+
+
+def test_a_broken_gpu_to_gpu_copy_is_named_with_advice(monkeypatch):
+    check_gpus = load_script("check_gpus")
+    gpus = [torch.device("cuda", i) for i in range(3)]  # only names: the patched copy never touches a GPU
+    monkeypatch.setattr(check_gpus, "peer_copy", lambda values, source, target: values.clone())
+    assert check_gpus.check_pair_copies(gpus).ok is True
+
+    def broken(values, source, target):  # GPU 2 receives stale data, as through a broken IOMMU
+        return torch.zeros_like(values) if target.index == 2 else values.clone()
+
+    monkeypatch.setattr(check_gpus, "peer_copy", broken)
+    result = check_gpus.check_pair_copies(gpus)
+    assert result.ok is False
+    assert result.detail == "2 of 6 copies returned wrong data: cuda:0 -> cuda:2, cuda:1 -> cuda:2"
+    assert "NCCL_P2P_DISABLE=1" in result.advice and "train_ddp.py" in result.advice
+    assert str(result).startswith("FAIL  copies between GPUs:") and "\n      try: " in str(result)
+
+
+def test_gpus_that_torch_cannot_see_are_a_failure(monkeypatch):
+    check_gpus = load_script("check_gpus")
+    monkeypatch.setattr(check_gpus, "nvidia_smi", lambda *args: "0, NVIDIA A100\n1, NVIDIA A100")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    result = check_gpus.check_devices()  # torch here sees no GPU
+    assert result.ok is False and result.detail == "nvidia-smi lists 2 GPU(s) but torch sees none"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "CUDA_VISIBLE_DEVICES=''" in check_gpus.check_devices().advice
