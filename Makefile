@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test ddp diffs clean
+.PHONY: demo test ddp bench diffs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ ddp: $(BIN)/.installed
 	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/accelerate launch --config_file $(CONFIG) \
 		--num_processes $(NPROC) --max_restarts 3 --rdzv_backend c10d \
 		scripts/train_ddp.py --output-dir $(OUTPUT_DIR) $(ARGS)
+
+# The strategies this machine can run and the speed targets, measured side by side (README).
+bench: $(BIN)/.installed
+	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,489 @@
+"""Measuring tools for scripts/benchmark.py: launched runs and their peak memory, the plain PyTorch
+loop and the input pipelines the scripts are compared with, the machine's matmul peak, and the
+report files (benchmark.md, benchmark.png).
+
+Every timing waits for the device before it reads the clock, and every rate is a best of rounds:
+other work on the machine only ever slows a round down, so the fastest round is the closest to
+what the hardware does (the spread of the rounds is reported as the noise).
+"""
+
+import contextlib
+import os
+import pickle
+import platform
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import psutil
+import torch
+import torchvision
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from common.augment import BatchTransform, channel_stats
+from common.data import make_synthetic
+from common.loader import tensor_loader
+from common.models import build_model
+from common.optim import build_optimizer
+from common.record import versions
+
+GB = 1e9  # as common/gpu.py: GB of 10^9 bytes
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------- the machine
+
+def machine_info() -> dict:
+    """What the figures were measured on: CPU, cores, threads, GPUs, versions, load."""
+    cpu, flags = platform.processor() or platform.machine(), []
+    try:  # platform.processor() is often empty on Linux; /proc/cpuinfo has the marketing name
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+        info = {key.strip(): value.strip() for key, value in info.items()}
+        cpu = info.get("model name", cpu)
+        # The vector units that decide fp32 and bf16 speed on a CPU.
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in info.get("flags", "").split()]
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"cpu": cpu, "cpu_flags": flags, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpus": gpus, "cuda": torch.version.cuda, "platform": platform.platform(),
+            "versions": {**versions(), "torch": torch.__version__}, "load_average": list(os.getloadavg())}
+
+
+class OtherWork:
+    """The share of the machine's CPU time that processes other than this one and its children used
+    between ``__init__`` and ``share()``: a direct measure of how disturbed a benchmark was."""
+
+    def __init__(self):
+        self.start = self._times()
+
+    @staticmethod
+    def _times() -> tuple[float, float, float]:
+        total = psutil.cpu_times()
+        busy = sum(total) - total.idle - getattr(total, "iowait", 0)
+        mine = os.times()  # children: every waited-for descendant, launchers' workers included
+        return time.monotonic(), busy, mine.user + mine.system + mine.children_user + mine.children_system
+
+    def share(self) -> float:
+        (t0, busy0, mine0), (t1, busy1, mine1) = self.start, self._times()
+        capacity = (t1 - t0) * (os.cpu_count() or 1)
+        return max(0.0, ((busy1 - busy0) - (mine1 - mine0)) / capacity) if capacity > 0 else 0.0
+
+
+def describe_machine(machine: dict) -> str:
+    devices = f"{len(machine['gpus'])} x {machine['gpus'][0]}" if machine["gpus"] else "no GPU"
+    v = machine["versions"]
+    return (f"{machine['cpu']} ({' '.join(machine['cpu_flags'])}), {machine['cpu_cores']} cores, {devices}; "
+            f"torch {v['torch']}, "
+            f"accelerate {v['accelerate']}, Python {v['python']}")
+
+
+# ------------------------------------------------------------------------- launched runs, watched
+
+def _peak_rss(process: psutil.Process) -> int:
+    """Peak resident memory of a process: VmHWM where Linux keeps it, else the current RSS."""
+    try:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return process.memory_info().rss
+
+
+def _gpu_memory_used() -> list[int]:
+    """Bytes in use on each GPU according to nvidia-smi (every process, CUDA contexts included)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return [int(mib) * 2**20 for mib in out.split()]
+
+
+class PeakMemory:
+    """Peak memory of a launched run, sampled from outside every ``interval`` seconds.
+
+    With GPUs: for each GPU, the largest rise of nvidia-smi's memory.used over its value before the
+    launch (the CUDA context, about 0.5 GB, included). On the CPU: the peak resident memory of each
+    process running ``script``, by rank (a launcher that also names the script is left out: the
+    training processes are the ones without such a child).
+    """
+
+    def __init__(self, pid: int, script: str, gpus: int, interval: float = 0.2):
+        self.root, self.script, self.gpus = psutil.Process(pid), script, gpus
+        self.before = _gpu_memory_used()[:gpus] if gpus else []
+        self.peak: dict[int, int] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        if self.gpus:
+            for i, (used, before) in enumerate(zip(_gpu_memory_used(), self.before)):
+                self.peak[i] = max(self.peak.get(i, 0), used - before)
+            return
+        found = [p for p in [self.root, *self.root.children(recursive=True)]
+                 if any(self.script in part for part in p.cmdline())]
+        workers = [p for p in found if not any(c in found for c in p.children(recursive=True))]
+        for order, process in enumerate(sorted(workers, key=lambda p: p.pid)):
+            try:
+                rank = int(process.environ().get("RANK", order))
+            except (psutil.Error, ValueError):
+                rank = order
+            self.peak[rank] = max(self.peak.get(rank, 0), _peak_rss(process))
+
+    def _watch(self, interval: float) -> None:
+        while not self._done.is_set():
+            try:
+                self._sample()
+            except (psutil.Error, OSError, subprocess.SubprocessError):
+                pass  # a process that just ended, or nvidia-smi busy: the next sample counts
+            self._done.wait(interval)
+
+    def stop(self) -> list[float]:
+        """Peak per GPU (or per process, by rank) in GB."""
+        self._done.set()
+        self._thread.join()
+        return [round(self.peak[key] / GB, 3) for key in sorted(self.peak)]
+
+
+@dataclass
+class WatchedRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    peak_memory_gb: list[float]
+    wall_s: float
+
+
+def run_watched(command: list[str], cwd: Path, script: str, gpus: int, timeout: float,
+                env: dict | None = None) -> WatchedRun:
+    """Run ``command`` to its end, with its peak memory; the whole process group dies on timeout."""
+    start = time.perf_counter()
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
+        memory = PeakMemory(process.pid, script, gpus)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            stderr += f"\nkilled after {timeout:g} s (--timeout)"
+        peak = memory.stop()
+    return WatchedRun(process.returncode, stdout, stderr, peak, time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------ the plain PyTorch loop
+
+class PlainLoop:
+    """The minimal training loop: forward, loss, backward, optimizer step, and nothing else.
+
+    The scripts' model, optimizer (common.optim) and batch size, on batches that are already
+    normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
+    as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does.
+    """
+
+    def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
+                 channels_last: bool = False, compiled: bool = False, num_batches: int = 4):
+        data = make_synthetic(batch_size * num_batches, 10)
+        transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
+        self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in
+                        zip(data.train_images.split(batch_size), data.train_labels.split(batch_size))]
+        torch.manual_seed(0)
+        model = build_model(model_name, num_classes=len(data.classes)).to(device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        # A small lr: the loop runs for speed, and a diverging model would end in NaNs.
+        self.optimizer = build_optimizer(model, lr=0.01, momentum=0.9, weight_decay=5e-4)
+        self.model = torch.compile(model) if compiled else model
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.device, self.bf16, self.batch_size, self.steps_done = device, bf16, batch_size, 0
+
+    def run(self, steps: int) -> float:
+        """Seconds for ``steps`` training steps, the device waited for at the end."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            images, labels = self.batches[self.steps_done % len(self.batches)]
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+                loss = self.criterion(self.model(images), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.steps_done += 1
+        loss.item()  # waits for the device
+        return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def cold_compile_cache():
+    """An empty TorchInductor cache while torch.compile compiles: the compile time of a first run.
+
+    Inductor caches compiled graphs and kernels on disk, so a second compile of the same model
+    takes seconds instead of the ~50 s of the first (BRIEF.md) and would flatter torch.compile.
+    """
+    try:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # private: guarded
+    except ImportError:
+        temporary_cache_dir = None
+    torch._dynamo.reset()  # and nothing compiled earlier in this process is reused
+    with tempfile.TemporaryDirectory() as folder:
+        if temporary_cache_dir is None:
+            yield
+            return
+        with temporary_cache_dir(folder):
+            yield
+
+
+def flops_per_image(model_name: str, num_classes: int = 10) -> float:
+    """Training FLOPs per 32x32 image (forward and backward), counted by torch's FlopCounterMode.
+
+    Matmuls and convolutions only, 2 per multiply-add: ResNet-18 with the CIFAR stem gives 3.33
+    GFLOP, 3 x its 0.56 G multiply-adds forward.
+    """
+    model = build_model(model_name, num_classes)
+    images, labels = torch.randn(2, 3, 32, 32), torch.arange(2) % num_classes
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+    return counter.get_total_flops() / len(images)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 4096,
+                repeats: int = 3) -> float:
+    """FLOP/s of the fastest of ``repeats`` square matmuls of ``size``: what dense math reaches here."""
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    torch.mm(a, b)  # the first call picks kernels and warms the caches
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+# ---------------------------------------------------------------------------- input pipelines
+
+class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10 on a cifar-10-batches-py folder written by ``write_cifar10_folder``.
+
+    The class checks the files against the MD5 sums of the real archive; None makes
+    torchvision.datasets.utils.check_integrity check only that each file exists.
+    """
+
+    train_list: ClassVar = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
+    test_list: ClassVar = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
+    meta: ClassVar = {**torchvision.datasets.CIFAR10.meta, "md5": None}
+
+
+def write_cifar10_folder(root: Path, images: torch.Tensor, labels: torch.Tensor, classes: list[str]) -> Path:
+    """uint8 images (N, 3, 32, 32) as torchvision's cifar-10-batches-py: 5 training pickles of rows
+    of 3072 bytes (R, G, B planes), a test pickle and batches.meta. Returns the folder's parent,
+    the ``root`` that torchvision's CIFAR10 takes."""
+    folder = Path(root) / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, labels = images.reshape(len(images), -1).numpy(), labels.tolist()
+    parts = np.array_split(np.arange(len(rows)), 5)
+    for i, part in enumerate(parts, start=1):
+        entry = {"batch_label": f"training batch {i} of 5", "data": rows[part],
+                 "labels": [labels[j] for j in part]}
+        (folder / f"data_batch_{i}").write_bytes(pickle.dumps(entry, protocol=2))
+    (folder / "test_batch").write_bytes(pickle.dumps({"data": rows[:10], "labels": labels[:10]}, protocol=2))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": classes}, protocol=2))
+    return Path(root)
+
+
+class OurPipeline:
+    """common/loader.py's tensor_loader and common/augment.py's BatchTransform, as the scripts use
+    them: the uint8 images on the device, crop, flip and normalisation a whole batch at a time."""
+
+    def __init__(self, images, labels, batch_size: int, device: torch.device):
+        self.images, self.labels = images.to(device), labels.to(device)
+        self.transform = BatchTransform(*channel_stats(images))
+        self.batch_size, self.device, self.epochs = batch_size, device, 0
+
+    def epoch(self) -> float:
+        """img/s over one epoch of augmented, normalised batches."""
+        loader = tensor_loader(self.images, self.labels, self.batch_size, shuffle=True, seed=self.epochs)
+        start, seen = time.perf_counter(), 0
+        for step, (images, _) in enumerate(loader):
+            images = self.transform.train(images, seed=(self.epochs, step))
+            seen += len(images)
+        synchronize(self.device)
+        self.epochs += 1
+        return seen / (time.perf_counter() - start)
+
+
+class TorchvisionPipeline:
+    """The usual CIFAR-10 input pipeline: torchvision's CIFAR10 with PIL transforms per image
+    (RandomCrop with 4-pixel padding, RandomHorizontalFlip, ToTensor, Normalize) in DataLoader
+    worker processes, each batch then copied to the device."""
+
+    def __init__(self, root: Path, mean, std, batch_size: int, device: torch.device, workers: int = 2):
+        T = torchvision.transforms
+        transform = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                               T.Normalize([m / 255 for m in mean], [s / 255 for s in std])])
+        dataset = UncheckedCIFAR10(str(root), train=True, transform=transform)
+        # Persistent workers: the worker start-up is paid in the warm-up epoch, not in every epoch.
+        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                 drop_last=True, persistent_workers=True, pin_memory=device.type == "cuda")
+        self.device = device
+
+    def epoch(self) -> float:
+        start, seen = time.perf_counter(), 0
+        for images, _ in self.loader:
+            images = images.to(self.device, non_blocking=True)
+            seen += len(images)
+        synchronize(self.device)
+        return seen / (time.perf_counter() - start)
+
+
+def compare_pipelines(data, batch_size: int, device: torch.device, rounds: int = 3) -> dict[str, list[float]]:
+    """img/s of OurPipeline and TorchvisionPipeline on the same images, epochs alternated so that
+    both see the same machine, after one warm-up epoch each."""
+    rates = {"ours": [], "torchvision": []}
+    with tempfile.TemporaryDirectory() as folder:
+        root = write_cifar10_folder(Path(folder), data.train_images, data.train_labels, data.classes)
+        ours = OurPipeline(data.train_images, data.train_labels, batch_size, device)
+        theirs = TorchvisionPipeline(root, *channel_stats(data.train_images), batch_size, device, workers=2)
+        ours.epoch(), theirs.epoch()  # warm-up: the workers start, the caches fill
+        for _ in range(rounds):
+            rates["ours"].append(ours.epoch())
+            rates["torchvision"].append(theirs.epoch())
+        del theirs  # its persistent workers end with it
+    return rates
+
+
+# ------------------------------------------------------------------------------------ reports
+
+def _fmt_rate(value) -> str:
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _fmt_duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.1f} s"
+
+
+def _fmt_memory(values: list[float], kind: str) -> str:
+    return (", ".join(f"{v:.2f}" for v in values) + f" GB ({kind})") if values else "-"
+
+
+def _fmt_share(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
+def row_cells(row: dict) -> list[str]:
+    if row.get("error"):
+        return [f"failed: {row['error']}"] + [""] * 6
+    return [_fmt_rate(row["img_per_s"]), _fmt_duration(row["epoch_50k_s"]), f"{row['speedup']:.2f}x"
+            if row.get("speedup") else "-", f"{100 * row['efficiency']:.0f} %" if row.get("efficiency") else "-",
+            _fmt_memory(row["peak_memory_gb"], row["memory_kind"]), _fmt_share(row["data_wait_frac"])]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+STRATEGY_HEADER = ["strategy", "processes", "global batch", "img/s", "50,000-image epoch", "speed-up",
+                   "scaling efficiency", "peak memory per device", "data wait"]
+SWEEP_HEADER = ["batch per device", "global batch", "img/s", "50,000-image epoch", "peak memory per device",
+                "data wait"]
+CHECK_HEADER = ["check", "measured", "target", "result"]
+
+
+def strategy_table(rows: list[dict]) -> str:
+    return markdown_table(STRATEGY_HEADER, [[f"`{r['name']}`: {r['label']}", str(r["processes"]),
+                                             str(r["global_batch"]), *row_cells(r)] for r in rows])
+
+
+def sweep_table(rows: list[dict]) -> str:
+    cells = []
+    for r in rows:
+        rest = row_cells(r)
+        cells.append([str(r["per_device_batch"]), str(r["global_batch"]), *rest[:2], *rest[4:]])
+    return markdown_table(SWEEP_HEADER, cells)
+
+
+def check_table(checks: list[dict]) -> str:
+    verdict = {True: "PASS", False: "**BELOW**", None: "reported"}
+    return markdown_table(CHECK_HEADER, [[c["check"], c["measured"], c["target"], verdict[c["passed"]]]
+                                         for c in checks])
+
+
+def write_markdown(path: Path, report: dict) -> None:
+    parts = [f"# Benchmark: {report['title']}", "",
+             (f"Measured {report['started']} on {describe_machine(report['machine'])}, in "
+              f"{report['duration_s'] / 60:.0f} min. Command: `{report['command']}`"), "",
+             f"Noise: {report['noise']}.", ""]
+    if report["rows"]:
+        parts += ["## Strategies", "", strategy_table(report["rows"]), ""]
+    parts += ["Protocol: " + report["protocol"], ""]
+    if report["sweep"]:
+        parts += [f"## Batch size sweep (`{report['sweep'][0]['name']}`)", "", sweep_table(report["sweep"]), ""]
+    if report["checks"]:
+        parts += ["## Checks", "", check_table(report["checks"]), ""]
+        parts += [f"- {c['check']}: {c['note']}" for c in report["checks"] if c.get("note")]
+        parts.append("")
+    Path(path).write_text("\n".join(parts))
+
+
+def write_chart(path: Path, report: dict) -> None:
+    """benchmark.png: img/s per strategy as bars; the batch-size sweep beside it if there is one."""
+    import matplotlib  # imported here: only the report needs it, and Agg needs no display
+
+    matplotlib.use("Agg")
+    import matplotlib.patches
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if not r.get("error")]
+    sweep = [r for r in report["sweep"] if not r.get("error")]
+    panels = [p for p in (rows, sweep) if p]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(6.5 * max(len(panels), 1), 0.5 * len(rows) + 2.6),
+                             squeeze=False)
+    axes = list(axes[0])
+    if rows:
+        ax = axes.pop(0)
+        names = [f"{r['label']}\n(global batch {r['global_batch']})" for r in rows][::-1]
+        rates = [r["img_per_s"] for r in rows][::-1]
+        colors = {"fp32": "#4c72b0", "bf16": "#dd8452", "fp16": "#55a868"}
+        bars = ax.barh(names, rates, color=[colors[r["precision"]] for r in rows][::-1])
+        ax.legend(handles=[matplotlib.patches.Patch(color=colors[p], label=p) for p in colors
+                           if any(r["precision"] == p for r in rows)], loc="lower right", fontsize=9)
+        for bar, r in zip(bars, rows[::-1]):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {_fmt_rate(r['img_per_s'])} img/s, {r['speedup']:.2f}x", va="center", fontsize=9)
+        ax.set_xlim(0, max(rates) * 1.45)
+        ax.set_xlabel("training images per second (higher is better)")
+        ax.set_title(f"{report['model']}, {report['dataset']}: throughput per strategy", fontsize=11)
+        ax.tick_params(axis="y", labelsize=9)
+    if sweep:
+        ax = axes.pop(0)
+        batches = [r["per_device_batch"] for r in sweep]
+        ax.plot(batches, [r["img_per_s"] for r in sweep], "o-", color="#4c72b0", label="img/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch per device")
+        ax.set_ylabel("training images per second", color="#4c72b0")
+        ax.set_ylim(0, max(r["img_per_s"] for r in sweep) * 1.15)
+        memory = [max(r["peak_memory_gb"], default=0.0) for r in sweep]
+        twin = ax.twinx()
+        twin.plot(batches, memory, "s--", color="#c44e52", label="peak memory")
+        twin.set_ylabel(f"peak memory, GB ({sweep[0]['memory_kind']})", color="#c44e52")
+        twin.set_ylim(0, max(memory) * 1.15 or 1)
+        ax.set_title(f"batch size: throughput and memory ({sweep[0]['label']})", fontsize=11)
+    fig.text(0.01, 0.01, describe_machine(report["machine"]), fontsize=8, color="#555555")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

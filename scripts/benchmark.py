@@ -1,0 +1,426 @@
+"""Measure every training strategy this machine can run, launched as users launch them, and check
+the project's speed targets side by side in the same run.
+
+Each strategy row launches the real training script as a subprocess, as its docstring says:
+
+    one device                 python scripts/train_single.py
+    DataParallel, all GPUs     python scripts/train_dp.py
+    DDP on 2, 4, ... GPUs      accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes N \\
+                                   scripts/train_ddp.py
+    DDP + fp16, DDP + bf16     accelerate launch ... scripts/train_amp.py --mixed-precision fp16|bf16
+    a machine without GPUs     train_single.py; train_amp.py --mixed-precision bf16 in one process;
+                               train_ddp.py as 2 processes on gloo
+
+on --dataset synthetic (made on the spot and, as every dataset in these scripts, held on the device,
+so the rows measure compute) or on real data (--dataset cifar10, --data-dir). Per row: images/s, the
+time of a 50,000-image epoch, the speed-up over one device, the scaling efficiency, the peak memory
+of each device and the share of time spent waiting for data. The protocol, the same for every row,
+is printed with the table (PROTOCOL below). --sweep-batch-size asks the source articles' other
+question: how throughput and memory change with the batch size.
+
+Checks (--checks), the targets of issue 6, each a ratio of two things measured side by side here:
+    overhead    train_single's steady img/s >= 0.97 x a plain PyTorch loop (same model, optimizer,
+                batch, data on the device; common/bench.py PlainLoop)
+    data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
+                DataLoader with 2 workers; data wait < 2 % of train_single's step time
+    precision   bf16 autocast + channels_last >= 1.8 x fp32, one training step of the plain loop
+    compute     train_single fp32 FLOP/s (FlopCounterMode's count per image) >= 85 % of the measured
+                fp32 matmul peak
+    compile     torch.compile on the plain loop: compile time and steady speed-up, reported as measured
+
+Launch:
+    python scripts/benchmark.py                                 # every strategy here and every check
+    python scripts/benchmark.py --strategies single ddp2 --checks none --steps 5
+    python scripts/benchmark.py --model resnet50 --per-device-batch-size 256 --steps 50        # GPUs
+    python scripts/benchmark.py --sweep-batch-size 32 64 128 256 512 --checks none
+    python scripts/benchmark.py --dataset cifar10 --checks none # real CIFAR-10 (Hub, cached) instead
+    make bench                                                  # the CPU benchmark, ~10 min on 2 cores
+Writes benchmark.json (every figure, the protocol, the machine), benchmark.md (the tables) and
+benchmark.png (the chart) to --output-dir; the exit status is 1 if a row failed to run.
+"""
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import bench
+from common.checkpoint import new_run_dir
+from common.cli import Parser
+from common.data import make_synthetic
+from common.errors import UserError
+from common.models import build_model
+from common.record import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
+CHECKS = ("overhead", "data", "precision", "compute", "compile")
+EPOCH_IMAGES = 50_000  # CIFAR-10's training split
+RETRIES = 2  # extra launches of a row whose runs a stall made meaningless
+
+PROTOCOL = (
+    "each row launches its script twice, in fresh processes, for N and 2N optimizer steps (N = {steps}; "
+    "--max-steps, --epochs 1, --report-to none, a temporary --output-dir){repeats}; a row whose 2N run was "
+    "not slower than its N run (a stall from other work) is launched again, at most twice more. t(k) is the "
+    "training-loop time the script records in metrics.jsonl (epoch_time_s) and img/s = N x global batch / "
+    "(t(2N) - t(N)): start-up, data loading, evaluation and the first N steps (the warm-up) fall out of the "
+    "difference. {data} 50,000-image epoch = 50,000 / img/s. Speed-up = img/s over the `single` row's; "
+    "scaling efficiency = speed-up / devices{cpu}; for fp16/bf16 rows both include the precision's gain. "
+    "Peak memory: {memory}. Data wait: the share of the measured steps' time spent fetching and augmenting "
+    "batches (the scripts' data_wait_frac, over the same difference).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str  # the --strategies name
+    label: str
+    script: str  # in scripts/
+    processes: int
+    devices: int  # GPUs the global batch is spread over; the CPU is 1 device, however many processes
+    precision: str = "fp32"
+    flags: tuple[str, ...] = ()
+
+    def launcher(self) -> list[str]:
+        if self.processes == 1:
+            return [sys.executable]
+        return [ACCELERATE, "launch", "--config_file", DDP_CONFIG, "--num_processes", str(self.processes)]
+
+
+def available_strategies(gpus: int) -> dict[str, Strategy]:
+    """The rows this machine can run: from torch.cuda.device_count(), or the CPU rows without GPUs."""
+    if gpus == 0:  # every row shares the same cores, so the CPU counts as one device
+        rows = [Strategy("single", "train_single, fp32", "train_single.py", 1, 1),
+                Strategy("bf16", "train_amp, bf16 + channels_last", "train_amp.py", 1, 1, "bf16",
+                         ("--mixed-precision", "bf16")),
+                Strategy("ddp2", "train_ddp, 2 processes on gloo, fp32", "train_ddp.py", 2, 1)]
+        return {s.name: s for s in rows}
+    rows = [Strategy("single", "train_single, 1 GPU, fp32", "train_single.py", 1, 1)]
+    if gpus > 1:
+        rows.append(Strategy("dp", f"train_dp, DataParallel on {gpus} GPUs, fp32", "train_dp.py", 1, gpus))
+    counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < gpus} | ({gpus} - {1}))
+    rows += [Strategy(f"ddp{n}", f"train_ddp, DDP on {n} GPUs, fp32", "train_ddp.py", n, n) for n in counts]
+    for precision in ("fp16", "bf16") if torch.cuda.is_bf16_supported() else ("fp16",):
+        name = f"ddp{gpus}-{precision}" if gpus > 1 else precision
+        where = f"DDP on {gpus} GPUs" if gpus > 1 else "1 GPU"
+        rows.append(Strategy(name, f"train_amp, {where}, {precision}", "train_amp.py", gpus, gpus, precision,
+                             ("--mixed-precision", precision)))
+    return {s.name: s for s in rows}
+
+
+def parse_args(argv=None):
+    parser = Parser(__doc__)
+    parser.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
+                        help="rows to run (default: every one this machine can run: single bf16 ddp2 on a CPU; "
+                             "single dp ddp2 ddp4 ... ddpN-fp16 ddpN-bf16 with N GPUs)")
+    parser.add_argument("--model", default="resnet18", help="as in the training scripts (default: %(default)s)")
+    parser.add_argument("--per-device-batch-size", type=int, default=128,
+                        help="images per device per step; a row's global batch is this times its devices, as "
+                             "DDP is used (default: %(default)s)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="hold the global batch at this size in every row instead, split over the devices")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="N of the protocol: each row runs N and 2N optimizer steps (default: 50 with GPUs, "
+                             "3 on a CPU, where ResNet-18 takes ~2.6 s a step)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each length per row; the fastest of each counts (default: %(default)s)")
+    parser.add_argument("--dataset", default="synthetic", choices=("synthetic", "cifar10", "cifar100"),
+                        help="synthetic isolates compute; cifar10/cifar100 from the Hub or its cache "
+                             "(default: %(default)s)")
+    parser.add_argument("--data-dir", default=None, help="real data from this folder, as in the training scripts")
+    parser.add_argument("--sweep-batch-size", type=int, nargs="+", default=None, metavar="B",
+                        help="also run --sweep-strategy at each of these per-device batch sizes")
+    parser.add_argument("--sweep-strategy", default="single", help="the row the sweep varies (default: %(default)s)")
+    parser.add_argument("--checks", nargs="+", default=["all"], choices=("all", "none", *CHECKS),
+                        help="ratio checks to run after the rows (default: all)")
+    parser.add_argument("--loader-images", type=int, default=10_000,
+                        help="images per epoch in the data check's loader comparison (default: %(default)s)")
+    parser.add_argument("--matmul-size", type=int, default=4096,
+                        help="side of the square fp32 matmul that measures the peak (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds one launch may take (default: %(default)s)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the report files go (default: a new runs/benchmark-<date>-<time>)")
+    args = parser.parse_args(argv)
+    for flag in ("per_device_batch_size", "global_batch_size", "steps", "repeats", "loader_images", "matmul_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {value}: must be 1 or more")
+    if args.data_dir and args.dataset == "synthetic":
+        raise UserError(f"--data-dir {args.data_dir} with --dataset synthetic: add --dataset cifar10 (or cifar100)")
+    return args
+
+
+# ------------------------------------------------------------------------------------- one row
+
+def launch(strategy, args, global_batch: int, max_steps: int, steps: int, gpus: int, workdir: Path) -> dict:
+    """Run the row's script for ``max_steps`` steps; its loop time, data wait and peak memory."""
+    output_dir = workdir / f"{strategy.name}-b{global_batch}-s{max_steps}-{time.monotonic_ns()}"
+    if args.dataset == "synthetic":  # 2N + 1 batches: both lengths stop inside the one epoch
+        data = ["--dataset", "synthetic", "--synthetic-train-size", str((2 * steps + 1) * global_batch),
+                "--synthetic-test-size", str(max(global_batch, 10))]
+    else:
+        data = ["--dataset", args.dataset, *(["--data-dir", args.data_dir] if args.data_dir else [])]
+    command = [*strategy.launcher(), f"scripts/{strategy.script}", "--model", args.model, "--batch-size",
+               str(global_batch), "--epochs", "1", "--max-steps", str(max_steps), *strategy.flags, *data,
+               "--report-to", "none", "--output-dir", str(output_dir)]
+    run = bench.run_watched(command, ROOT, strategy.script, gpus, args.timeout)
+    if run.returncode != 0:
+        last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
+        raise RuntimeError(f"exit status {run.returncode}: {last}")
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    if len(metrics) != 1 or metrics[0]["step"] != max_steps:
+        raise RuntimeError(f"{max_steps} steps did not fit in one epoch; use a smaller --steps")
+    m = metrics[0]
+    return {"steps": max_steps, "epoch_time_s": m["epoch_time_s"],
+            "data_wait_s": m["data_wait_frac"] * m["epoch_time_s"],
+            "wall_s": round(run.wall_s, 2), "peak_memory_gb": run.peak_memory_gb,
+            "command": shlex.join(command).replace(str(output_dir), "OUT")}
+
+
+def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdir: Path,
+            between=lambda: None) -> dict:
+    """One row by the protocol; ``between`` runs before, between and after the launches (the
+    overhead check's plain-loop rounds, so that both sides see the same machine)."""
+    global_batch = args.global_batch_size or per_device_batch * strategy.devices
+    row = {**dataclasses.asdict(strategy), "per_device_batch": global_batch // strategy.devices,
+           "global_batch": global_batch, "memory_kind": "GPU, nvidia-smi" if gpus else "RSS per process",
+           "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
+    print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {steps} and {2 * steps} steps ...",
+          flush=True)
+
+    def fastest(k):  # other work on the machine only ever slows a run down
+        return min((r for r in row["runs"] if r["steps"] == k), key=lambda r: r["epoch_time_s"], default=None)
+
+    def stalled():  # the fastest 2N run no slower than the fastest N run: a stall hit every long run
+        return fastest(2 * steps)["epoch_time_s"] <= fastest(steps)["epoch_time_s"]
+
+    try:
+        if global_batch % strategy.processes:
+            raise RuntimeError(f"global batch {global_batch} does not divide by {strategy.processes} processes")
+        between()
+        for attempt in range(args.repeats + RETRIES):
+            if attempt >= args.repeats and not stalled():
+                break
+            for k in (steps, 2 * steps):
+                row["runs"].append(launch(strategy, args, global_batch, k, steps, gpus, workdir))
+                between()
+        if stalled():
+            raise RuntimeError(f"{2 * steps} steps never took longer than {steps}: the machine is too busy for "
+                               f"--steps {steps}; raise it")
+    except RuntimeError as error:
+        row["error"] = str(error)
+        print(f"  failed: {error}", flush=True)
+        return row
+    short, long = fastest(steps), fastest(2 * steps)
+    elapsed = long["epoch_time_s"] - short["epoch_time_s"]
+    row["img_per_s"] = steps * global_batch / elapsed
+    row["epoch_50k_s"] = EPOCH_IMAGES / row["img_per_s"]
+    row["data_wait_frac"] = max(0.0, (long["data_wait_s"] - short["data_wait_s"]) / elapsed)
+    peaks = [max(values) for values in zip(*(r["peak_memory_gb"] for r in row["runs"]))]
+    row["peak_memory_gb"] = peaks[:strategy.devices] if gpus else peaks  # GPUs the row used; CPU: per process
+    row["command"] = long["command"]
+    print(f"  {row['img_per_s']:.1f} img/s, data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    base = next((r["img_per_s"] for r in rows if r["name"] == "single" and r["img_per_s"]), None)
+    for row in rows:
+        if base and row["img_per_s"]:
+            row["speedup"] = row["img_per_s"] / base
+            row["efficiency"] = row["speedup"] / row["devices"]
+
+
+# ------------------------------------------------------------------------------------- checks
+
+def check(name, value, passed, measured, target, note=""):
+    return {"check": name, "value": value, "passed": passed, "measured": measured, "target": target, "note": note}
+
+
+def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list[dict]:
+    """The ratio checks; ``single`` is the train_single row, ``plain`` the plain-loop img/s and
+    ``peaks`` the matmul FLOP/s of the rounds that ran around its launches (the best round counts,
+    as the fastest run does for a row)."""
+    results = []
+    fp32 = max(plain["fp32"]) if plain["fp32"] else None
+    if "overhead" in checks and single.get("img_per_s"):
+        ratio = single["img_per_s"] / fp32
+        results.append(check(
+            "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
+            f"{ratio:.3f}x ({single['img_per_s']:.1f} vs {fp32:.1f} img/s, {args.model}, batch "
+            f"{args.per_device_batch_size})", ">= 0.97x",
+            f"train_single also augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time); "
+            f"the plain loop's rounds varied by {max(plain['fp32']) / min(plain['fp32']) - 1:.0%} (machine noise)"))
+    if "data" in checks:
+        results += data_checks(single, args, device)
+    if "precision" in checks and plain["bf16"]:
+        ratio = max(plain["bf16"]) / fp32
+        allows = max(peaks["bf16"]) / max(peaks["fp32"])
+        results.append(check(
+            "precision: bf16 + channels_last / fp32", ratio, ratio >= 1.8,
+            f"{ratio:.2f}x ({max(plain['bf16']):.1f} vs {fp32:.1f} img/s, plain loop)", ">= 1.8x",
+            f"the bf16 / fp32 matmul peaks allow {allows:.2f}x here"))
+    if "compute" in checks and single.get("img_per_s"):
+        flops = bench.flops_per_image(args.model)
+        peak = max(peaks["fp32"])
+        ratio = single["img_per_s"] * flops / peak
+        results.append(check(
+            "compute: train_single fp32 FLOP/s / fp32 matmul peak", ratio, ratio >= 0.85,
+            f"{ratio:.0%} ({single['img_per_s'] * flops / 1e9:.0f} of {peak / 1e9:.0f} GFLOP/s; "
+            f"{flops / 1e9:.2f} GFLOP per image, FlopCounterMode)", ">= 85 %",
+            f"the plain loop reaches {fp32 * flops / peak:.0%}; a {args.matmul_size}-square matmul is the most "
+            f"favourable case, convolutions pay for im2col-like layouts, BatchNorm and ReLU for memory traffic"))
+    if "compile" in checks:
+        results += [compile_check(setting, loop, max(plain[setting]), args, steps, device)
+                    for setting, loop in loops.items()]
+    return results
+
+
+def data_checks(single, args, device) -> list[dict]:
+    """Our loader + augmentation against torchvision's CIFAR10 pipeline, epochs alternated."""
+    batch = args.per_device_batch_size
+    rates = bench.compare_pipelines(make_synthetic(args.loader_images, 10), batch, device)
+    ratio = max(rates["ours"]) / max(rates["torchvision"])
+    results = [check(
+        "data: our loader + augmentation / torchvision CIFAR10 + PIL, 2 workers", ratio, ratio >= 5,
+        f"{ratio:.1f}x ({max(rates['ours']):,.0f} vs {max(rates['torchvision']):,.0f} img/s, batch {batch})",
+        ">= 5x", f"ours takes {1000 * batch / max(rates['ours']):.1f} ms per batch in the training process; "
+                 f"torchvision's pipeline runs in 2 worker processes beside it")]
+    if single.get("img_per_s"):
+        share = single["data_wait_frac"]
+        results.append(check("data wait: train_single's share of step time", share, share < 0.02,
+                             f"{100 * share:.2f} % ({args.model}, batch {args.per_device_batch_size})", "< 2 %"))
+    return results
+
+
+def compile_check(setting, eager, eager_rate, args, steps, device) -> dict:
+    """torch.compile of the plain loop, from an empty cache: compile time = first step - a steady
+    step; the speed-up is over the best eager round in the same setting."""
+    name = f"compile: torch.compile, {setting}"
+    try:
+        loop = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=setting == "bf16",
+                               channels_last=setting == "bf16", compiled=True)
+        with bench.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
+            first = loop.run(1)
+        rate = loop.batch_size * steps / loop.run(steps)
+        eager_rate = max(eager_rate, eager.batch_size * steps / eager.run(steps))  # eager once more, beside it
+    except Exception as error:  # noqa: BLE001 - a missing or failing compiler is a result to report
+        return check(name, None, None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
+                     "reported")
+    compile_s = first - loop.batch_size / rate
+    speedup = rate / eager_rate
+    saved_per_image = 1 / eager_rate - 1 / rate
+    verdict = (f"pays for its compile time after {compile_s / saved_per_image:,.0f} images "
+               f"({compile_s / saved_per_image / EPOCH_IMAGES:.2f} epochs of 50,000)" if speedup > 1.02
+               else "does not pay here: no speed-up beyond 2 %")
+    result = check(name, speedup, None, f"{speedup:.2f}x ({rate:.1f} vs {eager_rate:.1f} img/s eager), "
+                                        f"compile {compile_s:.0f} s", "reported", verdict)
+    result["compile_s"] = compile_s
+    return result
+
+
+def noise_note(rates: list[float], other_work: float) -> str:
+    """How much other work disturbed the run: its share of the CPU, the spread of identical rounds."""
+    note = f"other processes used {other_work:.0%} of the machine's CPU time during the benchmark"
+    spread = max(rates) / min(rates) - 1 if len(rates) > 1 else 0
+    if rates:
+        note += f"; identical plain-loop rounds ran at {min(rates):.1f} to {max(rates):.1f} img/s ({spread:.0%} apart)"
+    if spread > 0.1 or other_work > 0.05:
+        note += (". Other work shared the machine: the figures are the fastest runs and rounds, which other work "
+                 "can only slow down, but a busy machine also slows the fastest, unevenly")
+    return note
+
+
+# --------------------------------------------------------------------------------------- main
+
+def main(args):
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    steps = args.steps or (50 if gpus else 3)
+    available = available_strategies(gpus)
+    names = args.strategies or list(available)
+    checks = [] if "none" in args.checks else list(CHECKS) if "all" in args.checks else args.checks
+    if checks and "single" not in names:
+        names = ["single", *names]  # the checks compare the other loops with train_single
+    for name in [*names, *([args.sweep_strategy] if args.sweep_batch_size else [])]:
+        if name not in available:
+            raise UserError(f"strategy {name!r} cannot run on this machine ({gpus} GPUs): choose from "
+                            f"{', '.join(available)}")
+    build_model(args.model, num_classes=10)  # an unknown --model stops here, with the valid names
+    output_dir = Path(args.output_dir) if args.output_dir else new_run_dir("benchmark")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    machine = bench.machine_info()
+    protocol = PROTOCOL.format(
+        steps=steps, repeats=f", {args.repeats} times each, the fastest of each length kept" if args.repeats > 1
+        else "",
+        data="Data: synthetic, 2N + 1 batches made on the spot and held on the device."
+        if args.dataset == "synthetic" else f"Data: {args.data_dir or args.dataset}, held on the device.",
+        cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
+        memory="per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included"
+        if gpus else "per training process, its peak resident memory (VmHWM)")
+    print(f"benchmark: {args.model} on {bench.describe_machine(machine)}; N = {steps} steps; rows: "
+          f"{' '.join(names)}; checks: {' '.join(checks) or 'none'}; report in {output_dir}\nprotocol: {protocol}",
+          flush=True)
+    started, clock, other_work = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter(), bench.OtherWork()
+
+    # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
+    # compare loops that ran on the same machine at the same time.
+    plain = {"fp32": [], "bf16": []}
+    peaks = {"fp32": [], "bf16": []}  # matmul FLOP/s, measured in the same rounds
+    loops = {}
+    if {"overhead", "precision", "compute", "compile"} & set(checks):
+        loops["fp32"] = bench.PlainLoop(args.model, args.per_device_batch_size, device)
+        if {"precision", "compile"} & set(checks) and (gpus == 0 or torch.cuda.is_bf16_supported()):
+            loops["bf16"] = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
+                                            channels_last=True)
+        for loop in loops.values():
+            loop.run(1)  # warm-up
+
+    def plain_round():
+        for key, loop in loops.items():
+            plain[key].append(loop.batch_size * steps / loop.run(steps))
+            if {"precision", "compute"} & set(checks):
+                dtype = torch.bfloat16 if key == "bf16" else torch.float32
+                peaks[key].append(bench.matmul_peak(device, dtype, args.matmul_size, repeats=2))
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as workdir:
+        for name in names:
+            rows.append(measure(available[name], args, args.per_device_batch_size, steps, gpus, Path(workdir),
+                                between=plain_round if name == "single" else lambda: None))
+        add_speedups(rows)
+        sweep = []
+        for batch in args.sweep_batch_size or []:
+            same = next((r for r in rows if r["name"] == args.sweep_strategy
+                         and r["per_device_batch"] == batch and not args.global_batch_size), None)
+            sweep.append(same or measure(available[args.sweep_strategy], args, batch, steps, gpus, Path(workdir)))
+    single = next((r for r in rows if r["name"] == "single"), {})
+    results = run_checks(checks, single, plain, peaks, loops, args, steps, device) if checks else []
+
+    report = {"title": f"{args.model}, {args.dataset}", "model": args.model, "dataset": args.data_dir or args.dataset,
+              "started": started, "duration_s": round(time.perf_counter() - clock, 1), "machine": machine,
+              "load_average_end": list(os.getloadavg()), "command": shlex.join(sys.argv),
+              "protocol": protocol, "steps": steps, "repeats": args.repeats, "rows": rows, "sweep": sweep,
+              "plain_loop_img_per_s": plain, "matmul_flop_per_s": peaks, "checks": results,
+              "other_work_cpu_share": other_work.share()}
+    report["noise"] = noise_note(plain["fp32"], report["other_work_cpu_share"])
+    write_json(output_dir / "benchmark.json", report)
+    bench.write_markdown(output_dir / "benchmark.md", report)
+    bench.write_chart(output_dir / "benchmark.png", report)
+    print("\n" + (output_dir / "benchmark.md").read_text())
+    print(f"benchmark: {report['duration_s']:.0f} s; wrote benchmark.json, benchmark.md, benchmark.png to {output_dir}")
+    failed = [r["name"] for r in rows + sweep if r.get("error")]
+    if failed:
+        print(f"error: rows {', '.join(failed)} failed to run (see above)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,261 @@
+"""Check a machine before a long run: versions, GPUs, topology, copies between GPUs, an all-reduce.
+
+A multi-GPU job that fails after an hour, or trains on silently corrupted data, usually had a
+machine problem that a minute of checks shows. In order:
+
+- versions: torch, CUDA, cuDNN, NCCL, accelerate, the NVIDIA driver, and the NCCL_* and
+  CUDA_VISIBLE_DEVICES settings in effect;
+- devices: the GPUs torch sees; nvidia-smi listing GPUs that torch does not see is a failure;
+- topology: `nvidia-smi topo -m` (NV# = NVLink; PIX, PXB, PHB, NODE, SYS = PCIe paths, each
+  longer than the one before) and the GPU pairs torch reports peer-to-peer access for;
+- copies: a known pattern copied between every ordered pair of GPUs and compared on arrival.
+  Broken peer-to-peer copies (an IOMMU or PCIe ACS in the way) return wrong data without an error:
+  the source articles' DataParallel loss turned NaN in the first epoch on two PCIe GPUs;
+- all-reduce: one process per GPU sums a known pattern over NCCL, the way DDP averages gradients;
+  the sum is verified exactly on every process and timed. Bus bandwidth = 2 (n - 1) / n x bytes /
+  time, the figure nccl-tests reports, comparable across GPU counts.
+Without GPUs it says so and runs the all-reduce on the CPU instead: 2 processes on gloo, the
+path that DDP (scripts/train_ddp.py) takes on a CPU-only machine.
+
+Launch:
+    python scripts/check_gpus.py
+    CUDA_VISIBLE_DEVICES=0,1 python scripts/check_gpus.py    # the GPUs the run will use
+    NCCL_P2P_DISABLE=1 python scripts/check_gpus.py          # try a setting the advice names
+    python scripts/check_gpus.py --size-mb 256 --iters 50    # a longer bandwidth measurement
+Exit status 0 when every check passed, 1 when one failed; what to try is printed under it.
+"""
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.gpu import peer_copy
+
+P2P_ADVICE = ("DataParallel (scripts/train_dp.py) copies directly between GPUs, so do not use it here; train "
+              "with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py, and ask for the IOMMU "
+              "(intel_iommu=off / amd_iommu=off, or iommu=pt) or PCIe ACS to be turned off; see "
+              "`nvidia-smi topo -m`")
+NCCL_ADVICE = ("run again with NCCL_DEBUG=INFO to see the transport NCCL picked; try NCCL_P2P_DISABLE=1 (broken "
+               "peer-to-peer), NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1 (no InfiniBand), NCCL_SOCKET_IFNAME=<interface> "
+               "(several network interfaces)")
+GLOO_ADVICE = ("check that localhost resolves and local TCP ports are open; with several network interfaces set "
+               "GLOO_SOCKET_IFNAME=lo")
+WRONG_SUM_ADVICE = {  # a wrong sum, unlike a failure to connect, means data changed on the way
+    "nccl": "data is corrupted between GPUs: DDP would average wrong gradients. Try NCCL_P2P_DISABLE=1 and run "
+            "this check again; if that fixes it, peer-to-peer copies are broken: " + P2P_ADVICE,
+    "gloo": "on one machine's CPU no link can corrupt data: suspect the installation; try a fresh virtual "
+            "environment with the same torch version"}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: information only
+    detail: str
+    advice: str = ""
+
+    def __str__(self):
+        status = {True: "PASS", False: "FAIL", None: "INFO"}[self.ok]
+        text = f"{status}  {self.name}: {self.detail}"
+        return text + (f"\n      try: {self.advice}" if self.advice else "")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=float, default=64,
+                        help="size of the all-reduced tensor in MB of 10^6 bytes (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=20, help="timed all-reduces (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds before a stalled all-reduce counts as a hang (default: %(default)s)")
+    parser.add_argument("--cpu-processes", type=int, default=2,
+                        help="processes of the gloo all-reduce on a machine without GPUs (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None where it is missing or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", *args], check=False, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def check_versions() -> Check:
+    def installed(package):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    found = {"torch": torch.__version__, "CUDA (torch built with)": torch.version.cuda or "none (CPU build)",
+             "accelerate": installed("accelerate")}
+    if torch.cuda.is_available():
+        found["cuDNN"] = str(torch.backends.cudnn.version())
+        found["NCCL"] = ".".join(map(str, torch.cuda.nccl.version()))
+    driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    if driver:
+        found["driver"] = driver.splitlines()[0]
+    settings = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_")) or k == "CUDA_VISIBLE_DEVICES"}
+    detail = ", ".join(f"{k} {v}" for k, v in found.items())
+    return Check("versions", None, detail + "; settings: " + (" ".join(f"{k}={v}" for k, v in settings.items())
+                                                               or "none of NCCL_*, GLOO_*, CUDA_VISIBLE_DEVICES"))
+
+
+def check_devices() -> Check:
+    count = torch.cuda.device_count()
+    listed = nvidia_smi("--query-gpu=index,name", "--format=csv,noheader")
+    if count == 0:
+        if listed:
+            why = ("this torch is a CPU build: install a CUDA build (pytorch.org, 'Get started')"
+                   if torch.version.cuda is None else
+                   f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides them"
+                   if "CUDA_VISIBLE_DEVICES" in os.environ else
+                   f"the driver may be older than torch's CUDA {torch.version.cuda}: see nvidia-smi's CUDA Version")
+            return Check("devices", False, f"nvidia-smi lists {len(listed.splitlines())} GPU(s) but torch sees none",
+                         why)
+        return Check("devices", None, "no GPU: torch.cuda.is_available() is False and there is no nvidia-smi; "
+                                      "checking the CPU path instead (DDP on gloo)")
+    lines = []
+    for i in range(count):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(f"cuda:{i} {p.name}, {p.total_memory / 1e9:.1f} GB, compute capability {p.major}.{p.minor}")
+    return Check("devices", True, f"{count} GPU(s): " + "; ".join(lines))
+
+
+def check_topology(count: int) -> Check:
+    matrix = nvidia_smi("topo", "-m")
+    peers = [f"{i}->{j}" for i in range(count) for j in range(count)
+             if i != j and torch.cuda.can_device_access_peer(i, j)]
+    detail = f"peer access reported for {', '.join(peers) if peers else 'no pair'}"
+    if count > 1 and len(peers) < count * (count - 1):
+        detail += " (copies between the other pairs go through host memory, slower but not broken)"
+    return Check("topology", None, detail + ("\n" + matrix if matrix else "; `nvidia-smi topo -m` not available"))
+
+
+def check_pair_copies(devices: list[torch.device]) -> Check:
+    """A known pattern copied between every ordered pair, as DataParallel's scatter and gather copy."""
+    expected = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,  # 4 MiB: stale or shifted data shows
+                             generator=torch.Generator().manual_seed(0))
+    bad = [f"{source} -> {target}" for source in devices for target in devices
+           if source != target and not torch.equal(peer_copy(expected, source, target), expected)]
+    pairs = len(devices) * (len(devices) - 1)
+    if bad:
+        return Check("copies between GPUs", False, f"{len(bad)} of {pairs} copies returned wrong data: "
+                                                   f"{', '.join(bad)}", P2P_ADVICE)
+    return Check("copies between GPUs", True, f"all {pairs} ordered pairs copied 4 MiB intact")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def known_pattern(numel: int, device) -> torch.Tensor:
+    """Small whole numbers: their sums over up to 64 processes are exact in float32."""
+    return (torch.arange(numel, device=device) % 251 + 1).float()
+
+
+def allreduce_worker(rank: int, world_size: int, backend: str, port: int, numel: int, iters: int,
+                     timeout: float, results) -> None:
+    """One process of the all-reduce: sum (rank + 1) x pattern, verify, then time ``iters`` more."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pattern = known_pattern(numel, device)
+    result = pattern * (rank + 1)
+    dist.all_reduce(result)  # the sum of (r + 1) over the ranks: world_size (world_size + 1) / 2
+    wrong = int((result != pattern * (world_size * (world_size + 1) // 2)).sum())
+    buffer = pattern.clone()
+    for _ in range(2):  # warm-up: connections and buffers are set up on the first calls
+        dist.all_reduce(buffer)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(buffer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    results.put((rank, wrong, (time.perf_counter() - start) / iters))
+    dist.destroy_process_group()
+
+
+def check_allreduce(world_size: int, backend: str, size_mb: float, iters: int, timeout: float) -> Check:
+    name = f"all-reduce, {world_size} processes on {backend}"
+    advice = NCCL_ADVICE if backend == "nccl" else GLOO_ADVICE
+    numel = max(1, int(size_mb * 1e6) // 4)
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    workers = mp.start_processes(allreduce_worker, args=(world_size, backend, free_port(), numel, iters, timeout,
+                                                         results),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not workers.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in workers.processes:
+                    process.kill()
+                return Check(name, False, f"no result after {timeout:g} s: the all-reduce hangs", advice)
+    except Exception as error:  # noqa: BLE001 - a worker raised or died: the last line of its error
+        return Check(name, False, f"a process failed: {str(error).strip().splitlines()[-1]}", advice)
+    reports = sorted(results.get() for _ in range(world_size))
+    wrong = {rank: count for rank, count, _ in reports if count}
+    seconds = max(s for _, _, s in reports)
+    size = numel * 4
+    bus = 2 * (world_size - 1) / world_size * size / seconds
+    if wrong:
+        ranks = ", ".join(f"process {rank}: {count} of {numel}" for rank, count in wrong.items())
+        return Check(name, False, f"wrong sums ({ranks} values differ from the known answer)",
+                     WRONG_SUM_ADVICE[backend])
+    detail = (f"sum verified on every process; {size / 1e6:.0f} MB in {1000 * seconds:.2f} ms: bus bandwidth "
+              f"{bus / 1e9:.2f} GB/s, algorithm bandwidth {size / seconds / 1e9:.2f} GB/s")
+    if backend == "nccl" and bus < 5e9:
+        return Check(name, True, detail, "bus bandwidth is below 5 GB/s, slow even for PCIe: look for SYS "
+                                         "links in the topology, NCCL_P2P_DISABLE set, or " + NCCL_ADVICE)
+    return Check(name, True, detail)
+
+
+def main(args) -> int:
+    print(check_versions(), flush=True)
+    devices_check = check_devices()
+    print(devices_check, flush=True)
+    checks = [devices_check]
+    count = torch.cuda.device_count()
+    if count:
+        checks.append(check_topology(count))
+        print(checks[-1], flush=True)
+    if count > 1:
+        checks.append(check_pair_copies([torch.device("cuda", i) for i in range(count)]))
+        print(checks[-1], flush=True)
+        checks.append(check_allreduce(count, "nccl", args.size_mb, args.iters, args.timeout))
+    elif count == 1:
+        checks.append(Check("all-reduce", None, "one GPU: nothing to copy or reduce between GPUs"))
+    else:
+        checks.append(check_allreduce(args.cpu_processes, "gloo", args.size_mb, args.iters, args.timeout))
+    print(checks[-1], flush=True)
+    failed = [c.name for c in checks if c.ok is False]
+    print(f"check_gpus: {len(failed)} check(s) failed: {', '.join(failed)}" if failed else
+          "check_gpus: every check passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
