@@ -71,3 +71,13 @@ def reset_peak_memory(devices: list[torch.device]) -> None:
     """Start a new peak, so that gpu_mem_peak_gb is the peak of one epoch."""
     for device in devices:
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def process_peak_memory(accelerator) -> dict[str, list[float]]:
+    """Peak memory allocated on each process's GPU since the last call, in GB, one value per
+    process (gathered, so every process must call it); empty on a CPU."""
+    if accelerator.device.type != "cuda":
+        return {}
+    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB], device=accelerator.device)
+    torch.cuda.reset_peak_memory_stats(accelerator.device)
+    return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}

@@ -16,7 +16,9 @@ def stop_if_not_finite(accelerator, loss: torch.Tensor, step: int, output_dir) -
     """
     total = accelerator.reduce(loss.detach().float(), "sum")
     if not torch.isfinite(total):
+        accelerator.wait_for_everyone()  # all have decided: none exits while another still reports
         checkpoint = latest_checkpoint(output_dir)
-        where = f"the last good checkpoint is {checkpoint}" if checkpoint else "there is no checkpoint yet"
+        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
+                else "there is no checkpoint yet: start again with a lower --lr")
         raise UserError(f"the loss is {total.item()} at step {step}: training stopped before that step changed "
-                        f"the weights; {where}; resume from it with a lower --lr")
+                        f"the weights; {then}")

@@ -42,6 +42,7 @@ from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.gpu import process_peak_memory
 from common.guard import stop_if_not_finite
 from common.launch import check_batch_split, check_gpus_per_node, check_world_size
 from common.loader import tensor_loader
@@ -217,6 +218,7 @@ def main(args):
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
         if accelerator.scaler is not None:  # AMP: fp16 only
             metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped)
+        metrics.update(process_peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)

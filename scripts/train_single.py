@@ -33,6 +33,7 @@ from common.cli import build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.gpu import process_peak_memory
 from common.guard import stop_if_not_finite
 from common.launch import require_single_process
 from common.loader import tensor_loader
@@ -154,6 +155,7 @@ def main(args):
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
+        metrics.update(process_peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from common.checkpoint import save_checkpoint
 from common.errors import UserError
 from common.launch import check_gpus_per_node
-from helpers import ROOT
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]

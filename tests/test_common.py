@@ -173,3 +173,23 @@ def test_channels_last_batches():
     out = BatchTransform([0, 0, 0], [1, 1, 1], channels_last=True).train(images(), seed=(0, 1))
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out, BatchTransform([0, 0, 0], [1, 1, 1]).train(images(), seed=(0, 1)))
+
+
+def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
+    from common.gpu import process_peak_memory
+
+    class OnCPU:
+        device = torch.device("cpu")
+
+    assert process_peak_memory(OnCPU()) == {}
+
+    class OnGPU:  # two processes, as gather would return them
+        device = torch.device("cuda", 0)
+
+        def gather(self, tensor):
+            return torch.cat([tensor, tensor * 2])
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 1.5e9)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(torch, "tensor", lambda values, device=None: torch.as_tensor(values))
+    assert process_peak_memory(OnGPU()) == {"gpu_mem_peak_gb": [1.5, 3.0]}

@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from helpers import ROOT, weights
 
 BIN = Path(sys.executable).parent
@@ -125,3 +124,16 @@ def test_single_killed_and_resumed_by_hand(tmp_path):
     assert not (out / "model.safetensors").exists()
     run(single, tmp_path, "--output-dir", out, "--resume")
     assert_same(out, reference)
+
+
+def test_a_nan_loss_stops_every_process_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    cmd = [*accelerate(), "--lr", "1e6", "--checkpoint-every", "2", "--output-dir", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: the loss is")]
+    assert len(lines) == 2 and lines[0] == lines[1], done.stderr  # both processes, the same decision
+    step = int(lines[0].split(" at step ")[1].split(":")[0])
+    newest = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
+    assert newest < step and f"the last good checkpoint is {out}/checkpoints/step_{newest:08d}" in lines[0]
+    assert not (out / "model.safetensors").exists()

@@ -60,6 +60,14 @@ def test_cpu_trains_on_one_device_and_writes_the_run_record(dp_run):
     build_model("resnet20", num_classes=10).load_state_dict(state)  # strict: every key, no extra
 
 
+def test_evaluate_reproduces_the_accuracy_of_a_dp_run(dp_run):
+    out, _ = dp_run
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]
+    done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, "--synthetic-train-size", 512,
+               "--synthetic-test-size", 100)
+    assert done.stdout.startswith(f"test_acc={logged:.4f} (")
+
+
 def test_cpu_gives_the_weights_of_train_single_bitwise(dp_run, tmp_path):
     out, _ = dp_run
     run("train_single.py", *FLAGS, "--output-dir", tmp_path / "single")
