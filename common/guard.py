@@ -1,9 +1,10 @@
 """Decisions every process must take together, at the same step."""
 
+import sys
+
 import torch
 
 from common.checkpoint import latest_checkpoint
-from common.errors import UserError
 
 
 def stop_if_not_finite(accelerator, loss: torch.Tensor, step: int, output_dir) -> None:
@@ -16,9 +17,11 @@ def stop_if_not_finite(accelerator, loss: torch.Tensor, step: int, output_dir) -
     """
     total = accelerator.reduce(loss.detach().float(), "sum")
     if not torch.isfinite(total):
-        accelerator.wait_for_everyone()  # all have decided: none exits while another still reports
         checkpoint = latest_checkpoint(output_dir)
         then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
                 else "there is no checkpoint yet: start again with a lower --lr")
-        raise UserError(f"the loss is {total.item()} at step {step}: training stopped before that step changed "
-                        f"the weights; {then}")
+        # Every process says it before any exits, so the launcher cannot stop one before it speaks.
+        print(f"error: the loss is {total.item()} at step {step}: training stopped before that step changed "
+              f"the weights; {then}", file=sys.stderr, flush=True)
+        accelerator.wait_for_everyone()
+        raise SystemExit(1)
