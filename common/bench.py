@@ -385,10 +385,11 @@ def _fmt_share(value) -> str:
 
 def row_cells(row: dict) -> list[str]:
     if row.get("error"):
-        return [f"failed: {row['error']}"] + [""] * 6
+        return [f"failed: {row['error']}"] + [""] * 5 + [_fmt_share(row.get("other_work"))]
     return [_fmt_rate(row["img_per_s"]), _fmt_duration(row["epoch_50k_s"]), f"{row['speedup']:.2f}x"
             if row.get("speedup") else "-", f"{100 * row['efficiency']:.0f} %" if row.get("efficiency") else "-",
-            _fmt_memory(row["peak_memory_gb"], row["memory_kind"]), _fmt_share(row["data_wait_frac"])]
+            _fmt_memory(row["peak_memory_gb"], row["memory_kind"]), _fmt_share(row["data_wait_frac"]),
+            _fmt_share(row.get("other_work"))]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -397,9 +398,9 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 STRATEGY_HEADER = ["strategy", "processes", "global batch", "img/s", "50,000-image epoch", "speed-up",
-                   "scaling efficiency", "peak memory per device", "data wait"]
+                   "scaling efficiency", "peak memory per device", "data wait", "other work"]
 SWEEP_HEADER = ["batch per device", "global batch", "img/s", "50,000-image epoch", "peak memory per device",
-                "data wait"]
+                "data wait", "other work"]
 CHECK_HEADER = ["check", "measured", "target", "result"]
 
 
@@ -416,10 +417,15 @@ def sweep_table(rows: list[dict]) -> str:
     return markdown_table(SWEEP_HEADER, cells)
 
 
+BUSY = 0.10  # a measurement during which other processes used more of the CPU is not conclusive
+
+
 def check_table(checks: list[dict]) -> str:
-    verdict = {True: "PASS", False: "**BELOW**", None: "reported"}
-    return markdown_table(CHECK_HEADER, [[c["check"], c["measured"], c["target"], verdict[c["passed"]]]
-                                         for c in checks])
+    def verdict(c):
+        text = {True: "PASS", False: "**BELOW**", None: "reported"}[c["passed"]]
+        busy = c.get("other_work") or 0
+        return text + (f" (busy: {busy:.0%} other work)" if busy > BUSY else "")
+    return markdown_table(CHECK_HEADER, [[c["check"], c["measured"], c["target"], verdict(c)] for c in checks])
 
 
 def write_markdown(path: Path, report: dict) -> None:
@@ -433,7 +439,9 @@ def write_markdown(path: Path, report: dict) -> None:
     if report["sweep"]:
         parts += [f"## Batch size sweep (`{report['sweep'][0]['name']}`)", "", sweep_table(report["sweep"]), ""]
     if report["checks"]:
-        parts += ["## Checks", "", check_table(report["checks"]), ""]
+        parts += ["## Checks", "", check_table(report["checks"]), "",
+                  (f"Other work: the share of the CPU that other processes used while a row or check was measured; "
+                   f"a result marked busy (over {BUSY:.0%}) is not conclusive: run again on a quiet machine."), ""]
         parts += [f"- {c['check']}: {c['note']}" for c in report["checks"] if c.get("note")]
         parts.append("")
     Path(path).write_text("\n".join(parts))
