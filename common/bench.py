@@ -7,7 +7,9 @@ other work on the machine only ever slows a round down, so the fastest round is 
 what the hardware does (the spread of the rounds is reported as the noise).
 """
 
+import atexit
 import contextlib
+import json
 import os
 import pickle
 import platform
@@ -24,6 +26,7 @@ import numpy as np
 import psutil
 import torch
 import torchvision
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -207,10 +210,11 @@ class PlainLoop:
         self.model = torch.compile(model) if compiled else model
         self.criterion = torch.nn.CrossEntropyLoss()
         self.device, self.bf16, self.batch_size, self.steps_done = device, bf16, batch_size, 0
+        self.step_seconds: list[float] = []  # every step's time, warm-up included
 
     def run(self, steps: int) -> float:
-        """Seconds for ``steps`` training steps, the device waited for at the end."""
-        start = time.perf_counter()
+        """Seconds for ``steps`` training steps."""
+        start = tick = time.perf_counter()
         for _ in range(steps):
             images, labels = self.batches[self.steps_done % len(self.batches)]
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
@@ -218,9 +222,30 @@ class PlainLoop:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
+            # Waits for the device every step, as the scripts' NaN check does (common/guard.py).
+            loss.item()
             self.steps_done += 1
-        loss.item()  # waits for the device
+            self.step_seconds.append(time.perf_counter() - tick)
+            tick = time.perf_counter()
         return time.perf_counter() - start
+
+
+# Runs a script under time_optimizer_steps: python -c STEP_TIMER TIMES_FILE scripts/x.py ARGS...
+STEP_TIMER = ("import runpy, sys; from common.bench import time_optimizer_steps; "
+              "time_optimizer_steps(sys.argv.pop(1)); sys.argv = sys.argv[1:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def time_optimizer_steps(path: str) -> None:
+    """Write the time of every optimizer step of this process to ``path`` (JSON) when it exits.
+
+    The per-step timing that the training scripts do not log, taken without changing them: a
+    global optimizer hook (torch.optim.optimizer.register_optimizer_step_post_hook) installed
+    before the script runs, by STEP_TIMER.
+    """
+    times = []
+    register_optimizer_step_post_hook(lambda *_: times.append(time.perf_counter()))
+    atexit.register(lambda: Path(path).write_text(json.dumps(times)))
 
 
 @contextlib.contextmanager
@@ -471,7 +496,8 @@ def write_chart(path: Path, report: dict) -> None:
                            if any(r["precision"] == p for r in rows)], loc="lower right", fontsize=9)
         for bar, r in zip(bars, rows[::-1]):
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                    f" {_fmt_rate(r['img_per_s'])} img/s, {r['speedup']:.2f}x", va="center", fontsize=9)
+                    f" {_fmt_rate(r['img_per_s'])} img/s" + (f", {r['speedup']:.2f}x" if r.get("speedup") else ""),
+                    va="center", fontsize=9)
         ax.set_xlim(0, max(rates) * 1.45)
         ax.set_xlabel("training images per second (higher is better)")
         ax.set_title(f"{report['model']}, {report['dataset']}: throughput per strategy", fontsize=11)

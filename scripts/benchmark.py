@@ -43,6 +43,7 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -64,17 +65,19 @@ DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command li
 CHECKS = ("overhead", "data", "precision", "compute", "compile")
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 RETRIES = 2  # extra launches of a row whose runs a stall made meaningless
+WARMUP_STEPS = 2  # step times of the overhead check start after these
 
 PROTOCOL = (
-    "each row launches its script twice, in fresh processes, for N and 2N optimizer steps (N = {steps}; "
-    "--max-steps, --epochs 1, --report-to none, a temporary --output-dir){repeats}; a row whose 2N run was "
-    "not slower than its N run (a stall from other work) is launched again, at most twice more. t(k) is the "
-    "training-loop time the script records in metrics.jsonl (epoch_time_s) and img/s = N x global batch / "
-    "(t(2N) - t(N)): start-up, data loading, evaluation and the first N steps (the warm-up) fall out of the "
-    "difference. {data} 50,000-image epoch = 50,000 / img/s. Speed-up = img/s over the `single` row's; "
-    "scaling efficiency = speed-up / devices{cpu}; for fp16/bf16 rows both include the precision's gain. "
-    "Peak memory: {memory}. Data wait: the share of the measured steps' time spent fetching and augmenting "
-    "batches (the scripts' data_wait_frac, over the same difference).")
+    "each row launches its script twice in a row, in fresh processes, for N and 2N optimizer steps (N = {steps}; "
+    "--max-steps, --epochs 1, --report-to none, a temporary --output-dir). t(k) is the training-loop time the "
+    "script records in metrics.jsonl (epoch_time_s) and img/s = N x global batch / (t(2N) - t(N)): start-up, "
+    "data loading, evaluation and the first N steps (the warm-up) fall out of the difference. The row reports "
+    "the median over {repeats} such pair(s); a pair whose 2N run was not slower than its N run (a stall from "
+    "other work) is discarded and launched again, at most twice more. {data} 50,000-image epoch = 50,000 / "
+    "img/s. Speed-up = img/s over the `single` row's; scaling efficiency = speed-up / devices{cpu}; for "
+    "fp16/bf16 rows both include the precision's gain. Peak memory: {memory}. Data wait: the share of the "
+    "measured steps' time spent fetching and augmenting batches (the scripts' data_wait_frac, over the same "
+    "difference). Other work: the share of the CPU that other processes used while the row ran")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,7 @@ def parse_args(argv=None):
                         help="N of the protocol: each row runs N and 2N optimizer steps (default: 50 with GPUs, "
                              "3 on a CPU, where ResNet-18 takes ~2.6 s a step)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each length per row; the fastest of each counts (default: %(default)s)")
+                        help="pairs of launches (N and 2N steps) per row; the median counts (default: %(default)s)")
     parser.add_argument("--dataset", default="synthetic", choices=("synthetic", "cifar10", "cifar100"),
                         help="synthetic isolates compute; cifar10/cifar100 from the Hub or its cache "
                              "(default: %(default)s)")
@@ -159,18 +162,23 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------- one row
 
-def launch(strategy, args, global_batch: int, max_steps: int, steps: int, gpus: int, workdir: Path) -> dict:
-    """Run the row's script for ``max_steps`` steps; its loop time, data wait and peak memory."""
+def launch(strategy, args, global_batch: int, max_steps: int, steps: int, gpus: int, workdir: Path,
+           step_timer: bool = False) -> dict:
+    """Run the row's script for ``max_steps`` steps; its loop time, data wait and peak memory, and
+    with ``step_timer`` (one process) the time of each step after the first WARMUP_STEPS."""
     output_dir = workdir / f"{strategy.name}-b{global_batch}-s{max_steps}-{time.monotonic_ns()}"
     if args.dataset == "synthetic":  # 2N + 1 batches: both lengths stop inside the one epoch
         data = ["--dataset", "synthetic", "--synthetic-train-size", str((2 * steps + 1) * global_batch),
                 "--synthetic-test-size", str(max(global_batch, 10))]
     else:
         data = ["--dataset", args.dataset, *(["--data-dir", args.data_dir] if args.data_dir else [])]
-    command = [*strategy.launcher(), f"scripts/{strategy.script}", "--model", args.model, "--batch-size",
-               str(global_batch), "--epochs", "1", "--max-steps", str(max_steps), *strategy.flags, *data,
-               "--report-to", "none", "--output-dir", str(output_dir)]
-    run = bench.run_watched(command, ROOT, strategy.script, gpus, args.timeout)
+    script = [f"scripts/{strategy.script}", "--model", args.model, "--batch-size", str(global_batch), "--epochs",
+              "1", "--max-steps", str(max_steps), *strategy.flags, *data, "--report-to", "none", "--output-dir",
+              str(output_dir)]
+    command = [*strategy.launcher(), *script]
+    times_file = workdir / f"{output_dir.name}-steps.json"
+    run = bench.run_watched([sys.executable, "-c", bench.STEP_TIMER, str(times_file), *script] if step_timer
+                            else command, ROOT, strategy.script, gpus, args.timeout)
     if run.returncode != 0:
         last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"exit status {run.returncode}: {last}")
@@ -178,41 +186,40 @@ def launch(strategy, args, global_batch: int, max_steps: int, steps: int, gpus: 
     if len(metrics) != 1 or metrics[0]["step"] != max_steps:
         raise RuntimeError(f"{max_steps} steps did not fit in one epoch; use a smaller --steps")
     m = metrics[0]
+    times = json.loads(times_file.read_text()) if step_timer else []
     return {"steps": max_steps, "epoch_time_s": m["epoch_time_s"],
             "data_wait_s": m["data_wait_frac"] * m["epoch_time_s"],
+            "step_seconds": [b - a for a, b in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])],
             "wall_s": round(run.wall_s, 2), "peak_memory_gb": run.peak_memory_gb,
             "command": shlex.join(command).replace(str(output_dir), "OUT")}
 
 
 def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdir: Path,
-            between=lambda: None) -> dict:
-    """One row by the protocol; ``between`` runs before, between and after the launches (the
-    overhead check's plain-loop rounds, so that both sides see the same machine)."""
+            between=lambda: None, step_timer: bool = False) -> dict:
+    """One row by the protocol. ``between`` runs before the first launch and after each one: the
+    checks' plain-loop rounds, so that pair k of launches sits between rounds 2k, 2k+1 and 2k+2."""
     global_batch = args.global_batch_size or per_device_batch * strategy.devices
     row = {**dataclasses.asdict(strategy), "per_device_batch": global_batch // strategy.devices,
            "global_batch": global_batch, "memory_kind": "GPU, nvidia-smi" if gpus else "RSS per process",
-           "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
+           "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": [],
+           "pairs": []}
     print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {steps} and {2 * steps} steps ...",
           flush=True)
     other_work = bench.OtherWork()
-
-    def fastest(k):  # other work on the machine only ever slows a run down
-        return min((r for r in row["runs"] if r["steps"] == k), key=lambda r: r["epoch_time_s"], default=None)
-
-    def stalled():  # the fastest 2N run no slower than the fastest N run: a stall hit every long run
-        return fastest(2 * steps)["epoch_time_s"] <= fastest(steps)["epoch_time_s"]
-
     try:
         if global_batch % strategy.processes:
             raise RuntimeError(f"global batch {global_batch} does not divide by {strategy.processes} processes")
         between()
-        for attempt in range(args.repeats + RETRIES):
-            if attempt >= args.repeats and not stalled():
+        for _ in range(args.repeats + RETRIES):
+            if sum(p["img_per_s"] is not None for p in row["pairs"]) == args.repeats:
                 break
+            runs = []
             for k in (steps, 2 * steps):
-                row["runs"].append(launch(strategy, args, global_batch, k, steps, gpus, workdir))
+                runs.append(launch(strategy, args, global_batch, k, steps, gpus, workdir, step_timer))
                 between()
-        if stalled():
+            row["runs"] += runs
+            row["pairs"].append(steady(runs, steps * global_batch))
+        if not any(p["img_per_s"] for p in row["pairs"]):
             raise RuntimeError(f"{2 * steps} steps never took longer than {steps}: the machine is too busy for "
                                f"--steps {steps}; raise it")
     except RuntimeError as error:
@@ -221,16 +228,26 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
         return row
     finally:
         row["other_work"] = other_work.share()
-    short, long = fastest(steps), fastest(2 * steps)
-    elapsed = long["epoch_time_s"] - short["epoch_time_s"]
-    row["img_per_s"] = steps * global_batch / elapsed
+    valid = [p for p in row["pairs"] if p["img_per_s"]]
+    row["img_per_s"] = statistics.median(p["img_per_s"] for p in valid)
     row["epoch_50k_s"] = EPOCH_IMAGES / row["img_per_s"]
-    row["data_wait_frac"] = max(0.0, (long["data_wait_s"] - short["data_wait_s"]) / elapsed)
+    row["data_wait_frac"] = statistics.median(p["data_wait_frac"] for p in valid)
     peaks = [max(values) for values in zip(*(r["peak_memory_gb"] for r in row["runs"]))]
     row["peak_memory_gb"] = peaks[:strategy.devices] if gpus else peaks  # GPUs the row used; CPU: per process
-    row["command"] = long["command"]
+    row["command"] = row["runs"][-1]["command"]
     print(f"  {row['img_per_s']:.1f} img/s, data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
     return row
+
+
+def steady(runs: list[dict], images: int) -> dict:
+    """img/s and data-wait share of the N steps that the 2N run has beyond the N run; None for a pair
+    whose 2N run was not slower (a stall from other work hit the N run)."""
+    short, long = runs
+    elapsed = long["epoch_time_s"] - short["epoch_time_s"]
+    if elapsed <= 0:
+        return {"img_per_s": None, "data_wait_frac": None}
+    return {"img_per_s": images / elapsed,
+            "data_wait_frac": max(0.0, (long["data_wait_s"] - short["data_wait_s"]) / elapsed)}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -249,44 +266,49 @@ def check(name, value, passed, measured, target, note="", other_work=None):
 
 
 def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list[dict]:
-    """The ratio checks; ``single`` is the train_single row, ``plain`` the plain-loop img/s and
-    ``peaks`` the matmul FLOP/s of the rounds that ran around its launches (the best round counts,
-    as the fastest run does for a row)."""
-    results = []
-    fp32 = max(plain["fp32"]) if plain["fp32"] else None
-    if "overhead" in checks and single.get("img_per_s"):
-        ratio = single["img_per_s"] / fp32
+    """The ratio checks. ``single`` is the train_single row; ``plain`` and ``peaks`` hold the
+    plain-loop img/s and matmul FLOP/s of the rounds that ran around its launches. The speed of a
+    shared machine drifts by tens of percent within minutes, so each ratio compares things measured
+    in the same minutes, by medians, which the occasional stalled step does not move."""
+    results, batch = [], args.per_device_batch_size
+    script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
+    plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
+    # train_single's steady rate: from its step times where they were taken, else its row.
+    rate = batch / statistics.median(script_steps) if script_steps else single.get("img_per_s")
+    if "overhead" in checks and script_steps and plain_steps:
+        plain_rate = batch / statistics.median(plain_steps)
+        ratio = rate / plain_rate
         results.append(check(
             "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
-            f"{ratio:.3f}x ({single['img_per_s']:.1f} vs {fp32:.1f} img/s, {args.model}, batch "
-            f"{args.per_device_batch_size})", ">= 0.97x",
-            f"train_single also augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time); "
-            f"the plain loop's rounds varied by {max(plain['fp32']) / min(plain['fp32']) - 1:.0%} (machine noise)",
-            single["other_work"]))
+            f"{ratio:.3f}x ({rate:.1f} vs {plain_rate:.1f} img/s: median of {len(script_steps)} and "
+            f"{len(plain_steps)} steps; {args.model}, batch {batch})", ">= 0.97x",
+            f"train_single also augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time) "
+            f"and checks the loss for NaN", single["other_work"]))
+        results[-1].update(train_single_step_seconds=script_steps, plain_step_seconds=list(plain_steps))
     if "data" in checks:
         results += data_checks(single, args, device)
     if "precision" in checks and plain["bf16"]:
-        ratio = max(plain["bf16"]) / fp32
-        allows = max(peaks["bf16"]) / max(peaks["fp32"])
+        ratio = statistics.median(b / f for b, f in zip(plain["bf16"], plain["fp32"]))  # round by round
+        allows = statistics.median(b / f for b, f in zip(peaks["bf16"], peaks["fp32"]))
         results.append(check(
             "precision: bf16 + channels_last / fp32", ratio, ratio >= 1.8,
-            f"{ratio:.2f}x ({max(plain['bf16']):.1f} vs {fp32:.1f} img/s, plain loop)", ">= 1.8x",
-            f"the bf16 / fp32 matmul peaks allow {allows:.2f}x here", single.get("other_work")))
-    if "compute" in checks and single.get("img_per_s"):
-        flops = bench.flops_per_image(args.model)
-        peak = max(peaks["fp32"])
-        ratio = single["img_per_s"] * flops / peak
+            f"{ratio:.2f}x ({statistics.median(plain['bf16']):.1f} vs {statistics.median(plain['fp32']):.1f} img/s, "
+            f"plain loop)", ">= 1.8x", f"the bf16 / fp32 matmul peaks allow {allows:.2f}x here",
+            single.get("other_work")))
+    if "compute" in checks and rate and peaks["fp32"]:
+        flops, peak = bench.flops_per_image(args.model), statistics.median(peaks["fp32"])
+        ratio = rate * flops / peak
+        plain_ratio = statistics.median(r * flops / p for r, p in zip(plain["fp32"], peaks["fp32"]))
         results.append(check(
             "compute: train_single fp32 FLOP/s / fp32 matmul peak", ratio, ratio >= 0.85,
-            f"{ratio:.0%} ({single['img_per_s'] * flops / 1e9:.0f} of {peak / 1e9:.0f} GFLOP/s; "
-            f"{flops / 1e9:.2f} GFLOP per image, FlopCounterMode)", ">= 85 %",
-            f"the plain loop reaches {fp32 * flops / peak:.0%}" + ("" if ratio >= 0.85 else
+            f"{ratio:.0%} ({rate * flops / 1e9:.0f} of {peak / 1e9:.0f} GFLOP/s; {flops / 1e9:.2f} GFLOP per "
+            f"image, FlopCounterMode)", ">= 85 %",
+            f"the plain loop reaches {plain_ratio:.0%}" + ("" if ratio >= 0.85 else
             f"; a {args.matmul_size}-square matmul is the most favourable case: convolutions lose to their memory "
             f"layouts, BatchNorm, ReLU and the optimizer to memory traffic, which the FLOP count leaves out"),
-            single["other_work"]))
+            single.get("other_work")))
     if "compile" in checks:
-        results += [compile_check(setting, loop, max(plain[setting]), args, steps, device)
-                    for setting, loop in loops.items()]
+        results += [compile_check(setting, loop, args, steps, device) for setting, loop in loops.items()]
     return results
 
 
@@ -294,11 +316,12 @@ def data_checks(single, args, device) -> list[dict]:
     """Our loader + augmentation against torchvision's CIFAR10 pipeline, epochs alternated."""
     batch, other_work = args.per_device_batch_size, bench.OtherWork()
     rates = bench.compare_pipelines(make_synthetic(args.loader_images, 10), batch, device)
-    ratio = max(rates["ours"]) / max(rates["torchvision"])
+    ratio = statistics.median(o / t for o, t in zip(rates["ours"], rates["torchvision"]))
+    ours, theirs = statistics.median(rates["ours"]), statistics.median(rates["torchvision"])
     results = [check(
         "data: our loader + augmentation / torchvision CIFAR10 + PIL, 2 workers", ratio, ratio >= 5,
-        f"{ratio:.1f}x ({max(rates['ours']):,.0f} vs {max(rates['torchvision']):,.0f} img/s, batch {batch})",
-        ">= 5x", f"ours takes {1000 * batch / max(rates['ours']):.1f} ms per batch in the training process; "
+        f"{ratio:.1f}x ({ours:,.0f} vs {theirs:,.0f} img/s, batch {batch})",
+        ">= 5x", f"ours takes {1000 * batch / ours:.1f} ms per batch in the training process; "
                  f"torchvision's pipeline runs in 2 worker processes beside it", other_work.share())]
     if single.get("img_per_s"):
         share = single["data_wait_frac"]
@@ -308,9 +331,9 @@ def data_checks(single, args, device) -> list[dict]:
     return results
 
 
-def compile_check(setting, eager, eager_rate, args, steps, device) -> dict:
+def compile_check(setting, eager, args, steps, device) -> dict:
     """torch.compile of the plain loop, from an empty cache: compile time = first step - a steady
-    step; the speed-up is over the best eager round in the same setting."""
+    step; the speed-up is over an eager round in the same setting, run right after."""
     name, other_work = f"compile: torch.compile, {setting}", bench.OtherWork()
     try:
         loop = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=setting == "bf16",
@@ -318,7 +341,7 @@ def compile_check(setting, eager, eager_rate, args, steps, device) -> dict:
         with bench.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
             first = loop.run(1)
         rate = loop.batch_size * steps / loop.run(steps)
-        eager_rate = max(eager_rate, eager.batch_size * steps / eager.run(steps))  # eager once more, beside it
+        eager_rate = eager.batch_size * steps / eager.run(steps)
     except Exception as error:  # noqa: BLE001 - a missing or failing compiler is a result to report
         return check(name, None, None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
                      "reported")
@@ -335,14 +358,13 @@ def compile_check(setting, eager, eager_rate, args, steps, device) -> dict:
 
 
 def noise_note(rates: list[float], other_work: float) -> str:
-    """How much other work disturbed the run: its share of the CPU, the spread of identical rounds."""
+    """How much the machine's speed moved: other processes' share of the CPU, and the spread of
+    identical plain-loop rounds (which also shows what no process list shows: a shared host)."""
     note = f"other processes used {other_work:.0%} of the machine's CPU time during the benchmark"
-    spread = max(rates) / min(rates) - 1 if len(rates) > 1 else 0
-    if rates:
-        note += f"; identical plain-loop rounds ran at {min(rates):.1f} to {max(rates):.1f} img/s ({spread:.0%} apart)"
-    if spread > 0.1 or other_work > 0.05:
-        note += (". Other work shared the machine: the figures are the fastest runs and rounds, which other work "
-                 "can only slow down, but a busy machine also slows the fastest, unevenly")
+    if len(rates) > 1:
+        spread = max(rates) / min(rates) - 1
+        note += (f"; identical plain-loop rounds ran at {min(rates):.1f} to {max(rates):.1f} img/s ({spread:.0%} "
+                 f"apart), so the ratios compare measurements taken at the same time, never far apart")
     return note
 
 
@@ -366,8 +388,7 @@ def main(args):
     output_dir.mkdir(parents=True, exist_ok=True)
     machine = bench.machine_info()
     protocol = PROTOCOL.format(
-        steps=steps, repeats=f", {args.repeats} times each, the fastest of each length kept" if args.repeats > 1
-        else "",
+        steps=steps, repeats=args.repeats,
         data="Data: synthetic, 2N + 1 batches made on the spot and held on the device."
         if args.dataset == "synthetic" else f"Data: {args.data_dir or args.dataset}, held on the device.",
         cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
@@ -389,7 +410,8 @@ def main(args):
             loops["bf16"] = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
                                             channels_last=True)
         for loop in loops.values():
-            loop.run(1)  # warm-up
+            loop.run(WARMUP_STEPS)
+            loop.step_seconds.clear()
 
     def plain_round():
         for key, loop in loops.items():
@@ -402,7 +424,8 @@ def main(args):
     with tempfile.TemporaryDirectory(prefix="benchmark-") as workdir:
         for name in names:
             rows.append(measure(available[name], args, args.per_device_batch_size, steps, gpus, Path(workdir),
-                                between=plain_round if name == "single" else lambda: None))
+                                between=plain_round if name == "single" else lambda: None,
+                                step_timer=name == "single" and "overhead" in checks))
         add_speedups(rows)
         sweep = []
         for batch in args.sweep_batch_size or []:

@@ -29,7 +29,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None,
                         help="architecture of the weights, as --model of the training scripts (default: "
                              "the name stored in a model.safetensors)")
-    parser.add_argument("--batch-size", type=int, default=500, help="images per evaluation batch (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=500,
+                        help="images per evaluation batch (default: %(default)s)")
     add_data_args(parser)
     args = parser.parse_args(argv)
     if args.batch_size < 1:
