@@ -7,9 +7,7 @@ other work on the machine only ever slows a round down, so the fastest round is 
 what the hardware does (the spread of the rounds is reported as the noise).
 """
 
-import atexit
 import contextlib
-import json
 import os
 import pickle
 import platform
@@ -26,7 +24,6 @@ import numpy as np
 import psutil
 import torch
 import torchvision
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -94,17 +91,6 @@ def describe_machine(machine: dict) -> str:
 
 # ------------------------------------------------------------------------- launched runs, watched
 
-def _peak_rss(process: psutil.Process) -> int:
-    """Peak resident memory of a process: VmHWM where Linux keeps it, else the current RSS."""
-    try:
-        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return process.memory_info().rss
-
-
 def _gpu_memory_used() -> list[int]:
     """Bytes in use on each GPU according to nvidia-smi (every process, CUDA contexts included)."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -113,49 +99,38 @@ def _gpu_memory_used() -> list[int]:
 
 
 class PeakMemory:
-    """Peak memory of a launched run, sampled from outside every ``interval`` seconds.
+    """For each GPU, the largest rise of nvidia-smi's memory.used over its value before a launch
+    (the CUDA context, about 0.5 GB, included), sampled from outside every ``interval`` seconds.
 
-    With GPUs: for each GPU, the largest rise of nvidia-smi's memory.used over its value before the
-    launch (the CUDA context, about 0.5 GB, included). On the CPU: the peak resident memory of each
-    process running ``script``, by rank (a launcher that also names the script is left out: the
-    training processes are the ones without such a child).
+    Without GPUs nothing is sampled: each training process reports its own peak resident memory
+    when it exits (common.steptimer), exact and without a watcher taking CPU time from the run.
     """
 
-    def __init__(self, pid: int, script: str, gpus: int, interval: float = 0.2):
-        self.root, self.script, self.gpus = psutil.Process(pid), script, gpus
+    def __init__(self, gpus: int, interval: float = 0.5):
         self.before = _gpu_memory_used()[:gpus] if gpus else []
         self.peak: dict[int, int] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True)
-        self._thread.start()
+        if gpus:
+            self._thread.start()
 
     def _sample(self) -> None:
-        if self.gpus:
-            for i, (used, before) in enumerate(zip(_gpu_memory_used(), self.before)):
-                self.peak[i] = max(self.peak.get(i, 0), used - before)
-            return
-        found = [p for p in [self.root, *self.root.children(recursive=True)]
-                 if any(self.script in part for part in p.cmdline())]
-        workers = [p for p in found if not any(c in found for c in p.children(recursive=True))]
-        for order, process in enumerate(sorted(workers, key=lambda p: p.pid)):
-            try:
-                rank = int(process.environ().get("RANK", order))
-            except (psutil.Error, ValueError):
-                rank = order
-            self.peak[rank] = max(self.peak.get(rank, 0), _peak_rss(process))
+        for i, (used, before) in enumerate(zip(_gpu_memory_used(), self.before)):
+            self.peak[i] = max(self.peak.get(i, 0), used - before)
 
     def _watch(self, interval: float) -> None:
         while not self._done.is_set():
             try:
                 self._sample()
-            except (psutil.Error, OSError, subprocess.SubprocessError):
-                pass  # a process that just ended, or nvidia-smi busy: the next sample counts
+            except (OSError, subprocess.SubprocessError):
+                pass  # nvidia-smi busy: the next sample counts
             self._done.wait(interval)
 
     def stop(self) -> list[float]:
-        """Peak per GPU (or per process, by rank) in GB."""
+        """Peak per GPU in GB; empty without GPUs."""
         self._done.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         return [round(self.peak[key] / GB, 3) for key in sorted(self.peak)]
 
 
@@ -168,13 +143,14 @@ class WatchedRun:
     wall_s: float
 
 
-def run_watched(command: list[str], cwd: Path, script: str, gpus: int, timeout: float,
+def run_watched(command: list[str], cwd: Path, gpus: int, timeout: float,
                 env: dict | None = None) -> WatchedRun:
-    """Run ``command`` to its end, with its peak memory; the whole process group dies on timeout."""
+    """Run ``command`` to its end, with the peak memory of each GPU; the whole process group dies on
+    timeout."""
     start = time.perf_counter()
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as process:
-        memory = PeakMemory(process.pid, script, gpus)
+        memory = PeakMemory(gpus)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -228,24 +204,6 @@ class PlainLoop:
             self.step_seconds.append(time.perf_counter() - tick)
             tick = time.perf_counter()
         return time.perf_counter() - start
-
-
-# Runs a script under time_optimizer_steps: python -c STEP_TIMER TIMES_FILE scripts/x.py ARGS...
-STEP_TIMER = ("import runpy, sys; from common.bench import time_optimizer_steps; "
-              "time_optimizer_steps(sys.argv.pop(1)); sys.argv = sys.argv[1:]; "
-              "runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
-def time_optimizer_steps(path: str) -> None:
-    """Write the time of every optimizer step of this process to ``path`` (JSON) when it exits.
-
-    The per-step timing that the training scripts do not log, taken without changing them: a
-    global optimizer hook (torch.optim.optimizer.register_optimizer_step_post_hook) installed
-    before the script runs, by STEP_TIMER.
-    """
-    times = []
-    register_optimizer_step_post_hook(lambda *_: times.append(time.perf_counter()))
-    atexit.register(lambda: Path(path).write_text(json.dumps(times)))
 
 
 @contextlib.contextmanager

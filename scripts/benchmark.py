@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from common import bench
+from common import bench, steptimer
 from common.checkpoint import new_run_dir
 from common.cli import Parser
 from common.data import make_synthetic
@@ -64,20 +64,18 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
 CHECKS = ("overhead", "data", "precision", "compute", "compile")
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
-RETRIES = 2  # extra launches of a row whose runs a stall made meaningless
-WARMUP_STEPS = 2  # step times of the overhead check start after these
+WARMUP_STEPS = 2  # steps left out of every measurement: the first allocates, tunes kernels, fills caches
 
 PROTOCOL = (
-    "each row launches its script twice in a row, in fresh processes, for N and 2N optimizer steps (N = {steps}; "
-    "--max-steps, --epochs 1, --report-to none, a temporary --output-dir). t(k) is the training-loop time the "
-    "script records in metrics.jsonl (epoch_time_s) and img/s = N x global batch / (t(2N) - t(N)): start-up, "
-    "data loading, evaluation and the first N steps (the warm-up) fall out of the difference. The row reports "
-    "the median over {repeats} such pair(s); a pair whose 2N run was not slower than its N run (a stall from "
-    "other work) is discarded and launched again, at most twice more. {data} 50,000-image epoch = 50,000 / "
-    "img/s. Speed-up = img/s over the `single` row's; scaling efficiency = speed-up / devices{cpu}; for "
-    "fp16/bf16 rows both include the precision's gain. Peak memory: {memory}. Data wait: the share of the "
-    "measured steps' time spent fetching and augmenting batches (the scripts' data_wait_frac, over the same "
-    "difference). Other work: the share of the CPU that other processes used while the row ran")
+    "each row launches its script {repeats}, as users launch it, for {warmup} + N optimizer steps "
+    "(N = {steps}; --max-steps, --epochs 1, --report-to none, a temporary --output-dir), with "
+    "common.steptimer recording when each optimizer step ends. The first {warmup} steps (the warm-up) are left "
+    "out; img/s = global batch / the median time of the other steps, which start-up, data loading, evaluation "
+    "and the odd step stalled by other work do not move. {data} 50,000-image epoch = 50,000 / img/s. "
+    "Speed-up = img/s over the `single` row's; scaling efficiency = speed-up / devices{cpu}; for fp16/bf16 rows "
+    "both include the precision's gain. Peak memory: {memory}. Data wait: the share of the training loop's time "
+    "spent fetching and augmenting batches (the scripts' data_wait_frac, warm-up included). Other work: the "
+    "share of the CPU that other processes used while the row ran")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +127,10 @@ def parse_args(argv=None):
     parser.add_argument("--global-batch-size", type=int, default=None,
                         help="hold the global batch at this size in every row instead, split over the devices")
     parser.add_argument("--steps", type=int, default=None,
-                        help="N of the protocol: each row runs N and 2N optimizer steps (default: 50 with GPUs, "
-                             "3 on a CPU, where ResNet-18 takes ~2.6 s a step)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="pairs of launches (N and 2N steps) per row; the median counts (default: %(default)s)")
+                        help=f"measured optimizer steps per launch, after {WARMUP_STEPS} warm-up steps (default: 50 "
+                             f"with GPUs, 8 on a CPU, where ResNet-18 takes ~2.6 s a step)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="launches per row; the median step time over all of them counts (default: %(default)s)")
     parser.add_argument("--dataset", default="synthetic", choices=("synthetic", "cifar10", "cifar100"),
                         help="synthetic isolates compute; cifar10/cifar100 from the Hub or its cache "
                              "(default: %(default)s)")
@@ -162,92 +160,75 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------- one row
 
-def launch(strategy, args, global_batch: int, max_steps: int, steps: int, gpus: int, workdir: Path,
-           step_timer: bool = False) -> dict:
-    """Run the row's script for ``max_steps`` steps; its loop time, data wait and peak memory, and
-    with ``step_timer`` (one process) the time of each step after the first WARMUP_STEPS."""
-    output_dir = workdir / f"{strategy.name}-b{global_batch}-s{max_steps}-{time.monotonic_ns()}"
-    if args.dataset == "synthetic":  # 2N + 1 batches: both lengths stop inside the one epoch
-        data = ["--dataset", "synthetic", "--synthetic-train-size", str((2 * steps + 1) * global_batch),
+def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Path) -> dict:
+    """Run the row's script for WARMUP_STEPS + ``steps`` optimizer steps under common.steptimer:
+    the time of each step after the warm-up, the data wait and the peak memory."""
+    max_steps = WARMUP_STEPS + steps
+    output_dir = workdir / f"{strategy.name}-b{global_batch}-{time.monotonic_ns()}"
+    if args.dataset == "synthetic":  # one batch more than the steps: the run stops inside its one epoch
+        data = ["--dataset", "synthetic", "--synthetic-train-size", str((max_steps + 1) * global_batch),
                 "--synthetic-test-size", str(max(global_batch, 10))]
     else:
         data = ["--dataset", args.dataset, *(["--data-dir", args.data_dir] if args.data_dir else [])]
     script = [f"scripts/{strategy.script}", "--model", args.model, "--batch-size", str(global_batch), "--epochs",
               "1", "--max-steps", str(max_steps), *strategy.flags, *data, "--report-to", "none", "--output-dir",
               str(output_dir)]
-    command = [*strategy.launcher(), *script]
-    times_file = workdir / f"{output_dir.name}-steps.json"
-    run = bench.run_watched([sys.executable, "-c", bench.STEP_TIMER, str(times_file), *script] if step_timer
-                            else command, ROOT, strategy.script, gpus, args.timeout)
+    times_file = str(workdir / f"{output_dir.name}-steps")
+    launcher = strategy.launcher()  # python, or accelerate launch, which runs a module with -m
+    timed = [*launcher, "-m", "common.steptimer", times_file, *script]
+    run = bench.run_watched(timed, ROOT, gpus, args.timeout)
     if run.returncode != 0:
         last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"exit status {run.returncode}: {last}")
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     if len(metrics) != 1 or metrics[0]["step"] != max_steps:
         raise RuntimeError(f"{max_steps} steps did not fit in one epoch; use a smaller --steps")
-    m = metrics[0]
-    times = json.loads(times_file.read_text()) if step_timer else []
-    return {"steps": max_steps, "epoch_time_s": m["epoch_time_s"],
-            "data_wait_s": m["data_wait_frac"] * m["epoch_time_s"],
-            "step_seconds": [b - a for a, b in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])],
-            "wall_s": round(run.wall_s, 2), "peak_memory_gb": run.peak_memory_gb,
-            "command": shlex.join(command).replace(str(output_dir), "OUT")}
+    ranks = [steptimer.read(times_file, rank) for rank in range(strategy.processes)]
+    times = ranks[0]["step_end"]  # rank 0's: DDP's all-reduce keeps the processes in step
+    return {"steps": max_steps,
+            "step_seconds": [end - start for start, end in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])],
+            "epoch_time_s": metrics[0]["epoch_time_s"], "data_wait_frac": metrics[0]["data_wait_frac"],
+            "wall_s": round(run.wall_s, 2),
+            "peak_memory_gb": run.peak_memory_gb if gpus else [r["peak_rss_gb"] for r in ranks],
+            "command": shlex.join([*launcher, *script]).replace(str(output_dir), "OUT")}
 
 
 def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdir: Path,
-            between=lambda: None, step_timer: bool = False) -> dict:
+            between=lambda: None) -> dict:
     """One row by the protocol. ``between`` runs before the first launch and after each one: the
-    checks' plain-loop rounds, so that pair k of launches sits between rounds 2k, 2k+1 and 2k+2."""
+    checks' plain-loop rounds, so that the row's launches sit between rounds measured beside them."""
     global_batch = args.global_batch_size or per_device_batch * strategy.devices
     row = {**dataclasses.asdict(strategy), "per_device_batch": global_batch // strategy.devices,
            "global_batch": global_batch, "memory_kind": "GPU, nvidia-smi" if gpus else "RSS per process",
-           "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": [],
-           "pairs": []}
-    print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {steps} and {2 * steps} steps ...",
-          flush=True)
+           "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
+    print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {args.repeats} x "
+          f"({WARMUP_STEPS} + {steps}) steps ...", flush=True)
     other_work = bench.OtherWork()
     try:
         if global_batch % strategy.processes:
             raise RuntimeError(f"global batch {global_batch} does not divide by {strategy.processes} processes")
         between()
-        for _ in range(args.repeats + RETRIES):
-            if sum(p["img_per_s"] is not None for p in row["pairs"]) == args.repeats:
-                break
-            runs = []
-            for k in (steps, 2 * steps):
-                runs.append(launch(strategy, args, global_batch, k, steps, gpus, workdir, step_timer))
-                between()
-            row["runs"] += runs
-            row["pairs"].append(steady(runs, steps * global_batch))
-        if not any(p["img_per_s"] for p in row["pairs"]):
-            raise RuntimeError(f"{2 * steps} steps never took longer than {steps}: the machine is too busy for "
-                               f"--steps {steps}; raise it")
+        for _ in range(args.repeats):
+            row["runs"].append(launch(strategy, args, global_batch, steps, gpus, workdir))
+            between()
     except RuntimeError as error:
         row["error"] = str(error)
         print(f"  failed: {error}", flush=True)
         return row
     finally:
         row["other_work"] = other_work.share()
-    valid = [p for p in row["pairs"] if p["img_per_s"]]
-    row["img_per_s"] = statistics.median(p["img_per_s"] for p in valid)
+    seconds = [s for run in row["runs"] for s in run["step_seconds"]]
+    row["step_seconds"] = {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds),
+                           "count": len(seconds)}
+    row["img_per_s"] = global_batch / row["step_seconds"]["median"]
     row["epoch_50k_s"] = EPOCH_IMAGES / row["img_per_s"]
-    row["data_wait_frac"] = statistics.median(p["data_wait_frac"] for p in valid)
+    row["data_wait_frac"] = statistics.median(run["data_wait_frac"] for run in row["runs"])
     peaks = [max(values) for values in zip(*(r["peak_memory_gb"] for r in row["runs"]))]
     row["peak_memory_gb"] = peaks[:strategy.devices] if gpus else peaks  # GPUs the row used; CPU: per process
     row["command"] = row["runs"][-1]["command"]
-    print(f"  {row['img_per_s']:.1f} img/s, data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
+    print(f"  {row['img_per_s']:.1f} img/s (median of {len(seconds)} steps, {row['step_seconds']['min']:.3f} to "
+          f"{row['step_seconds']['max']:.3f} s), data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
     return row
-
-
-def steady(runs: list[dict], images: int) -> dict:
-    """img/s and data-wait share of the N steps that the 2N run has beyond the N run; None for a pair
-    whose 2N run was not slower (a stall from other work hit the N run)."""
-    short, long = runs
-    elapsed = long["epoch_time_s"] - short["epoch_time_s"]
-    if elapsed <= 0:
-        return {"img_per_s": None, "data_wait_frac": None}
-    return {"img_per_s": images / elapsed,
-            "data_wait_frac": max(0.0, (long["data_wait_s"] - short["data_wait_s"]) / elapsed)}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -273,16 +254,20 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
     results, batch = [], args.per_device_batch_size
     script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
     plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
-    # train_single's steady rate: from its step times where they were taken, else its row.
-    rate = batch / statistics.median(script_steps) if script_steps else single.get("img_per_s")
+    rate = single.get("img_per_s")  # batch / its median step time, as for every row
     if "overhead" in checks and script_steps and plain_steps:
-        plain_rate = batch / statistics.median(plain_steps)
-        ratio = rate / plain_rate
+        # Launch k ran between plain rounds k and k + 1: each launch against the mean of its two
+        # neighbours, as the machine's speed drifts by tens of percent over minutes.
+        launches = [batch / statistics.median(run["step_seconds"]) for run in single["runs"]]
+        neighbours = [(before + after) / 2 for before, after in zip(plain["fp32"], plain["fp32"][1:])]
+        ratio = statistics.median(s / p for s, p in zip(launches, neighbours))
         results.append(check(
             "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
-            f"{ratio:.3f}x ({rate:.1f} vs {plain_rate:.1f} img/s: median of {len(script_steps)} and "
-            f"{len(plain_steps)} steps; {args.model}, batch {batch})", ">= 0.97x",
-            f"train_single also augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time) "
+            f"{ratio:.3f}x ({statistics.median(launches):.1f} vs {statistics.median(neighbours):.1f} img/s; "
+            f"{args.model}, batch {batch})", ">= 0.97x",
+            f"each of train_single's {len(launches)} launches against the plain-loop rounds just before and after "
+            f"it, by median step times ({len(script_steps)} and {len(plain_steps)} steps); train_single also "
+            f"augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time), steps its schedule "
             f"and checks the loss for NaN", single["other_work"]))
         results[-1].update(train_single_step_seconds=script_steps, plain_step_seconds=list(plain_steps))
     if "data" in checks:
@@ -340,8 +325,7 @@ def compile_check(setting, eager, args, steps, device) -> dict:
                                channels_last=setting == "bf16", compiled=True)
         with bench.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
             first = loop.run(1)
-        rate = loop.batch_size * steps / loop.run(steps)
-        eager_rate = eager.batch_size * steps / eager.run(steps)
+        rate, eager_rate = steady_rate(loop, steps), steady_rate(eager, steps)
     except Exception as error:  # noqa: BLE001 - a missing or failing compiler is a result to report
         return check(name, None, None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
                      "reported")
@@ -355,6 +339,12 @@ def compile_check(setting, eager, args, steps, device) -> dict:
                                         f"compile {compile_s:.0f} s", "reported", verdict, other_work.share())
     result["compile_s"] = compile_s
     return result
+
+
+def steady_rate(loop, steps: int) -> float:
+    """img/s of ``steps`` more steps of a plain loop, by their median step time as for the rows."""
+    loop.run(steps)
+    return loop.batch_size / statistics.median(loop.step_seconds[-steps:])
 
 
 def noise_note(rates: list[float], other_work: float) -> str:
@@ -373,7 +363,7 @@ def noise_note(rates: list[float], other_work: float) -> str:
 def main(args):
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    steps = args.steps or (50 if gpus else 3)
+    steps = args.steps or (50 if gpus else 8)
     available = available_strategies(gpus)
     names = args.strategies or list(available)
     checks = [] if "none" in args.checks else list(CHECKS) if "all" in args.checks else args.checks
@@ -388,12 +378,12 @@ def main(args):
     output_dir.mkdir(parents=True, exist_ok=True)
     machine = bench.machine_info()
     protocol = PROTOCOL.format(
-        steps=steps, repeats=args.repeats,
-        data="Data: synthetic, 2N + 1 batches made on the spot and held on the device."
+        steps=steps, repeats="once" if args.repeats == 1 else f"{args.repeats} times", warmup=WARMUP_STEPS,
+        data=f"Data: synthetic, {WARMUP_STEPS} + N + 1 batches made on the spot and held on the device."
         if args.dataset == "synthetic" else f"Data: {args.data_dir or args.dataset}, held on the device.",
         cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
         memory="per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included"
-        if gpus else "per training process, its peak resident memory (VmHWM)")
+        if gpus else "per training process, its peak resident memory (ru_maxrss, reported by the process as it exits)")
     print(f"benchmark: {args.model} on {bench.describe_machine(machine)}; N = {steps} steps; rows: "
           f"{' '.join(names)}; checks: {' '.join(checks) or 'none'}; report in {output_dir}\nprotocol: {protocol}",
           flush=True)
@@ -415,7 +405,7 @@ def main(args):
 
     def plain_round():
         for key, loop in loops.items():
-            plain[key].append(loop.batch_size * steps / loop.run(steps))
+            plain[key].append(steady_rate(loop, steps))
             if {"precision", "compute"} & set(checks):
                 dtype = torch.bfloat16 if key == "bf16" else torch.float32
                 peaks[key].append(bench.matmul_peak(device, dtype, args.matmul_size, repeats=2))
@@ -424,8 +414,7 @@ def main(args):
     with tempfile.TemporaryDirectory(prefix="benchmark-") as workdir:
         for name in names:
             rows.append(measure(available[name], args, args.per_device_batch_size, steps, gpus, Path(workdir),
-                                between=plain_round if name == "single" else lambda: None,
-                                step_timer=name == "single" and "overhead" in checks))
+                                between=plain_round if name == "single" else lambda: None))
         add_speedups(rows)
         sweep = []
         for batch in args.sweep_batch_size or []:
