@@ -32,7 +32,7 @@ ddp: $(BIN)/.installed
 
 # The strategies this machine can run and the speed targets, measured side by side (README).
 bench: $(BIN)/.installed
-	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S)
+	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -7,7 +7,7 @@ The scripts log one time per epoch, not per step. A global optimizer hook
 (torch.optim.optimizer.register_optimizer_step_post_hook), installed before the script starts, takes
 the per-step times without a line of the scripts changing. Each process writes, when it exits, to
 TIMES.<rank> (JSON): ``step_end``, the time.perf_counter() at the end of each step, and
-``peak_rss_gb``, its peak resident memory (ru_maxrss), measured by the process itself, so no watcher
+``peak_rss_gb``, its peak resident memory (VmHWM), measured by the process itself, so no watcher
 takes CPU time from the run. The scripts wait for the device at every step (the NaN check,
 common/guard.py), so on a GPU these CPU times follow the device.
 """
@@ -29,9 +29,22 @@ def read(times_file: str, rank: int = 0) -> dict:
     return json.loads(Path(f"{times_file}.{rank}").read_text())
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. Linux's VmHWM belongs to the process's own memory map;
+    ru_maxrss would also count the parent's memory at the fork before exec, which a launcher's
+    large parent makes the larger one."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
 def _write(path: str, times: list[float]) -> None:
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    Path(path).write_text(json.dumps({"step_end": times, "peak_rss_gb": round(peak_kib * 1024 / 1e9, 3)}))
+    Path(path).write_text(json.dumps({"step_end": times, "peak_rss_gb": round(peak_rss_bytes() / 1e9, 3)}))
 
 
 def main() -> None:

@@ -383,7 +383,7 @@ def main(args):
         if args.dataset == "synthetic" else f"Data: {args.data_dir or args.dataset}, held on the device.",
         cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
         memory="per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included"
-        if gpus else "per training process, its peak resident memory (ru_maxrss, reported by the process as it exits)")
+        if gpus else "per training process, its peak resident memory (VmHWM, reported by the process as it exits)")
     print(f"benchmark: {args.model} on {bench.describe_machine(machine)}; N = {steps} steps; rows: "
           f"{' '.join(names)}; checks: {' '.join(checks) or 'none'}; report in {output_dir}\nprotocol: {protocol}",
           flush=True)

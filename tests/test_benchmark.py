@@ -186,3 +186,19 @@ def test_gpus_that_torch_cannot_see_are_a_failure(monkeypatch):
     assert result.ok is False and result.detail == "nvidia-smi lists 2 GPU(s) but torch sees none"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert "CUDA_VISIBLE_DEVICES=''" in check_gpus.check_devices().advice
+
+
+def test_step_timer_records_each_step_and_the_process_own_peak_memory(tmp_path):
+    # A parent holding 1 GB launches a small training script: the child's peak is its own, not the
+    # parent's memory at the fork (which ru_maxrss would report).
+    script = tmp_path / "train.py"
+    script.write_text("import sys, torch\nmodel = torch.nn.Linear(4, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), 0.1)\nfor _ in range(int(sys.argv[1])):\n"
+                      "    model(torch.ones(2, 4)).sum().backward()\n    opt.step()\n")
+    timed = [sys.executable, "-m", "common.steptimer", str(tmp_path / "t"), str(script), "5"]
+    parent = f"import subprocess, numpy as np; held = np.ones(2**27); subprocess.run({timed!r}, check=True)"  # 1 GiB
+    subprocess.run([sys.executable, "-c", parent], check=True, cwd=ROOT, timeout=120)
+    from common import steptimer
+    record = steptimer.read(str(tmp_path / "t"))
+    assert len(record["step_end"]) == 5 and record["step_end"] == sorted(record["step_end"])
+    assert 0.05 < record["peak_rss_gb"] < 0.8
