@@ -2,9 +2,9 @@
 loop and the input pipelines the scripts are compared with, the machine's matmul peak, and the
 report files (benchmark.md, benchmark.png).
 
-Every timing waits for the device before it reads the clock, and every rate is a best of rounds:
-other work on the machine only ever slows a round down, so the fastest round is the closest to
-what the hardware does (the spread of the rounds is reported as the noise).
+Every timing waits for the device before it reads the clock. Rates come from median step times,
+which the odd step stalled by other work on the machine does not move; the matmul peak alone is the
+best of its repeats, as a peak is.
 """
 
 import contextlib
@@ -198,7 +198,8 @@ class PlainLoop:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
-            # Waits for the device every step, as the scripts' NaN check does (common/guard.py).
+            # Waits for the device at every step, so each step's time is the device's; the scripts
+            # wait once per step too, in their NaN check after the forward (common/guard.py).
             loss.item()
             self.steps_done += 1
             self.step_seconds.append(time.perf_counter() - tick)

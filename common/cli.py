@@ -6,6 +6,11 @@ from common.data import DATASETS
 from common.errors import UserError
 from common.models import model_names
 
+# torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
+# nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
+# graph breaks.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag gets one line (not the whole usage) like every other error here."""
@@ -50,6 +55,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initialisation, shuffling and augmentation (default: %(default)s)")
+    train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                       choices=COMPILE_BACKENDS,
+                       help="torch.compile the model, through Accelerate (dynamo_backend): with no BACKEND "
+                            "TorchInductor, or aot_eager to check that the model traces. Compiling takes about "
+                            "a minute at the start and again at the first evaluation; scripts/benchmark.py "
+                            "measures whether it pays on your machine (default: off)")
     train.add_argument("--max-steps", type=int, default=None,
                        help="stop after this many optimizer steps in all (counted from the start of the "
                             "run, resumes included), with a checkpoint; for tests and benchmarks")

@@ -14,7 +14,7 @@ from common.errors import UserError
 # a different experiment.
 RESUMABLE_FLAGS = {"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints", "report_to",
                    "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every",
-                   "checkpoint_every", "dist_timeout"}
+                   "checkpoint_every", "dist_timeout", "compile"}
 
 
 def versions() -> dict[str, str]:
@@ -65,7 +65,8 @@ def check_resume_config(checkpoint: Path, args) -> None:
     for key, value in vars(args).items():
         if key not in RESUMABLE_FLAGS and key in saved and saved[key] != value:
             flag = "--" + key.replace("_", "-")
-            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} used {saved[key]!r}; "
+            now, then = ("not set" if v is None else repr(v) for v in (value, saved[key]))
+            raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
                             f"resume with the same {flag} or start a new run")
 
 

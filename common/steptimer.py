@@ -9,7 +9,9 @@ the per-step times without a line of the scripts changing. Each process writes, 
 TIMES.<rank> (JSON): ``step_end``, the time.perf_counter() at the end of each step, and
 ``peak_rss_gb``, its peak resident memory (VmHWM), measured by the process itself, so no watcher
 takes CPU time from the run. The scripts wait for the device at every step (the NaN check,
-common/guard.py), so on a GPU these CPU times follow the device.
+common/guard.py), so on a GPU these CPU times follow the device. With fp16, GradScaler skips the
+optimizer step when the gradients overflow but updates its scale at every step, so a run that uses
+a scaler is timed by its scale updates instead.
 """
 
 import atexit
@@ -21,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
@@ -43,18 +46,28 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def _write(path: str, times: list[float]) -> None:
-    Path(path).write_text(json.dumps({"step_end": times, "peak_rss_gb": round(peak_rss_bytes() / 1e9, 3)}))
+def _write(path: str, steps: list[float], scaler_updates: list[float]) -> None:
+    record = {"step_end": scaler_updates or steps, "peak_rss_gb": round(peak_rss_bytes() / 1e9, 3)}
+    Path(path).write_text(json.dumps(record))
 
 
 def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit("usage: python -m common.steptimer TIMES SCRIPT [ARGS...]")
     times_file, script = sys.argv[1], sys.argv[2]
-    times: list[float] = []
-    register_optimizer_step_post_hook(lambda *_: times.append(time.perf_counter()))
+    steps: list[float] = []
+    register_optimizer_step_post_hook(lambda *_: steps.append(time.perf_counter()))
+    scaler_updates: list[float] = []
+    update = torch.amp.GradScaler.update  # torch.cuda.amp.GradScaler inherits it
+
+    def timed_update(self, *args, **kwargs):
+        result = update(self, *args, **kwargs)
+        scaler_updates.append(time.perf_counter())
+        return result
+
+    torch.amp.GradScaler.update = timed_update
     rank = os.environ.get("RANK", "0")
-    atexit.register(_write, f"{times_file}.{rank}", times)
+    atexit.register(_write, f"{times_file}.{rank}", steps, scaler_updates)
     sys.argv = sys.argv[2:]  # the script sees its own command line
     runpy.run_path(script, run_name="__main__")
 

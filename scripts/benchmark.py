@@ -185,7 +185,9 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
         raise RuntimeError(f"{max_steps} steps did not fit in one epoch; use a smaller --steps")
     ranks = [steptimer.read(times_file, rank) for rank in range(strategy.processes)]
     times = ranks[0]["step_end"]  # rank 0's: DDP's all-reduce keeps the processes in step
-    return {"steps": max_steps,
+    if len(times) != max_steps:
+        raise RuntimeError(f"the step timer saw {len(times)} of the {max_steps} steps")
+    return {"steps": max_steps, "step_end": times,
             "step_seconds": [end - start for start, end in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])],
             "epoch_time_s": metrics[0]["epoch_time_s"], "data_wait_frac": metrics[0]["data_wait_frac"],
             "wall_s": round(run.wall_s, 2),
@@ -255,7 +257,7 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
     script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
     plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
     rate = single.get("img_per_s")  # batch / its median step time, as for every row
-    if "overhead" in checks and script_steps and plain_steps:
+    if "overhead" in checks and rate and plain_steps:
         # Launch k ran between plain rounds k and k + 1: each launch against the mean of its two
         # neighbours, as the machine's speed drifts by tens of percent over minutes.
         launches = [batch / statistics.median(run["step_seconds"]) for run in single["runs"]]
@@ -354,7 +356,11 @@ def noise_note(rates: list[float], other_work: float) -> str:
     if len(rates) > 1:
         spread = max(rates) / min(rates) - 1
         note += (f"; identical plain-loop rounds ran at {min(rates):.1f} to {max(rates):.1f} img/s ({spread:.0%} "
-                 f"apart), so the ratios compare measurements taken at the same time, never far apart")
+                 f"apart), so the overhead, precision and compute ratios compare measurements taken in the same "
+                 f"minutes")
+        if spread > 0.1 or other_work > 0.05:
+            note += (". The machine's speed moved by more than 10 %: medians resist a stalled step, not a "
+                     "slower machine; run again on a quieter one before trusting a ratio near its target")
     return note
 
 

@@ -102,10 +102,14 @@ class Replica(torch.nn.Module):  # DP
 def main(args):
     # ----------------------------------------------------------------------------------- setup
     require_single_process("train_dp.py")  # DP: one process drives every GPU
+    if args.compile:  # DP: its replicas are new copies of the model at every forward, outside any compiled graph
+        raise UserError(f"--compile {args.compile}: not offered with DataParallel, which copies the model to each "
+                        f"GPU at every step: use train_ddp.py --compile")
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         # DP: not Accelerate's AMP: it binds model.forward to this model, and every replica would run that one.
         mixed_precision="no",  # DP: Replica autocasts
+        dynamo_backend="no",  # DP: whatever the Accelerate config says; --compile is refused above
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
@@ -248,7 +252,7 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips any wrapper, so the file loads into a plain model of the same name.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
                      {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
     final = progress.history[-1] if progress.history else None

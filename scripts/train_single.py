@@ -55,6 +55,7 @@ def main(args):
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
@@ -165,7 +166,7 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips any wrapper, so the file loads into a plain model of the same name.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
                      {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
     final = progress.history[-1] if progress.history else None

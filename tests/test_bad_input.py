@@ -93,9 +93,13 @@ CASES = {
     "fp16 on a CPU": (python("train_amp.py"), [*SMALL, "--mixed-precision", "fp16"], None,
                       "error: --mixed-precision fp16 needs a GPU"),
     "--sync-bn on a CPU": (python("train_ddp.py"), [*SMALL, "--sync-bn"], None, "error: --sync-bn needs GPUs"),
-    "Accelerate config that does not exist": (accelerate("nothing.yaml") + [str(ROOT / "scripts" / "train_ddp.py")],
-                                              SMALL, None, "configuration file `{root}/accelerate_configs/nothing.yaml` "
-                                                           "does not exist"),
+    "--compile with DataParallel": (python("train_dp.py"), [*SMALL, "--compile"], None,
+                                    "error: --compile inductor: not offered with DataParallel"),
+    "unknown --compile backend": (python("train_single.py"), [*SMALL, "--compile", "tvmx"], None,
+                                  "error: argument --compile: invalid choice: 'tvmx'"),
+    "Accelerate config that does not exist": (
+        accelerate("nothing.yaml") + [str(ROOT / "scripts" / "train_ddp.py")], SMALL, None,
+        "configuration file `{root}/accelerate_configs/nothing.yaml` does not exist"),
     "malformed Accelerate config": ([str(BIN / "accelerate"), "launch", "--config_file", "{tmp}/cfg/bad.yaml",
                                      str(ROOT / "scripts" / "train_ddp.py")], SMALL, lambda t: bad_yaml(t / "cfg"),
                                     'in "{tmp}/cfg/bad.yaml", line 3'),

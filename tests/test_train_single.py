@@ -156,3 +156,25 @@ def test_evaluate_says_when_weights_do_not_fit(full_run):
     done = run("evaluate.py", "--weights", out / "model.safetensors", "--model", "resnet32", *DATA, check=False)
     assert done.returncode != 0
     assert done.stderr.startswith("error: --weights") and "do not fit --model resnet32" in done.stderr
+
+
+def test_compile_traces_the_model_and_trains_the_same_weights(tmp_path):
+    # --compile goes through Accelerate's dynamo_backend. aot_eager traces forward and backward as
+    # inductor does, without inductor's minute of C++ compiling (scripts/benchmark.py measures that).
+    flags = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--lr", "0.01",
+             "--report-to", "none"]
+    run("train_single.py", *flags, "--max-steps", "4", "--output-dir", tmp_path / "eager")
+    done = run("train_single.py", *flags, "--max-steps", "2", "--compile", "aot_eager",
+               "--output-dir", tmp_path / "compiled", env_extra={"TORCH_LOGS": "graph_code"})
+    assert "TRACED GRAPH" in done.stderr  # dynamo really traced the model
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["args"]["compile"] == "aot_eager"
+    # A compiled run resumes compiled; its weights match the eager run's and load into a plain model.
+    done = run("train_single.py", *flags, "--max-steps", "4", "--compile", "aot_eager", "--output-dir",
+               tmp_path / "compiled", "--resume", env_extra={"TORCH_LOGS": "graph_code"})
+    assert "TRACED GRAPH" in done.stderr
+    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    assert compiled.keys() == eager.keys() == build_model("resnet20", 10).state_dict().keys()
+    assert max((eager[k].float() - compiled[k].float()).abs().max().item() for k in eager) < 1e-4
+    # Checkpoints hold the plain model: the run goes on without --compile.
+    run("train_single.py", *flags, "--max-steps", "5", "--output-dir", tmp_path / "compiled", "--resume")
+    assert json.loads((tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 5
