@@ -19,7 +19,7 @@ demo: $(BIN)/.installed
 
 # DDP that survives a crashed worker: torchrun restarts the job (up to 3 times) and every process
 # resumes from the newest checkpoint by itself. The restart needs the c10d rendezvous, and the
-# launcher must not share its TCP store with it, or the restarted job hangs (BRIEF.md).
+# launcher must not share its TCP store with it, or the restarted job hangs.
 # make ddp NPROC=4 ARGS="--model resnet50" OUTPUT_DIR=runs/my-run
 NPROC ?= 2
 CONFIG ?= accelerate_configs/4gpu.yaml

@@ -212,7 +212,8 @@ def cold_compile_cache():
     """An empty TorchInductor cache while torch.compile compiles: the compile time of a first run.
 
     Inductor caches compiled graphs and kernels on disk, so a second compile of the same model
-    takes seconds instead of the ~50 s of the first (BRIEF.md) and would flatter torch.compile.
+    takes seconds instead of the ~50 s of the first (ResNet-18, 2 CPU cores) and would flatter
+    torch.compile.
     """
     try:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # private: guarded

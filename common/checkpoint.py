@@ -1,8 +1,8 @@
 """Checkpoint files: the run folder, full training state through Accelerate, final weights.
 
 Every file is written under a temporary name and renamed into place, so a process killed while
-writing leaves the previous file or checkpoint intact (BRIEF.md: a checkpoint killed mid-write is
-lost otherwise).
+writing leaves the previous file or checkpoint intact, where writing in place would leave a
+half-written checkpoint that the next --resume would pick.
 """
 
 import os

@@ -35,7 +35,7 @@ def check_world_size(accelerator) -> None:
     """Accelerate must see every process the launcher started.
 
     Without CUDA, ``Accelerator()`` under torchrun gives each process DistributedType.NO: N
-    independent trainings on the full data, and no error (BRIEF.md). The scripts pass ``cpu=True``
+    independent trainings on the full data, and no error. The scripts pass ``cpu=True``
     on a CPU-only machine to get gloo; this check catches any other way into that trap.
     """
     world_size = launched_processes()

@@ -18,7 +18,7 @@ of each device and the share of time spent waiting for data. The protocol, the s
 is printed with the table (PROTOCOL below). --sweep-batch-size asks the source articles' other
 question: how throughput and memory change with the batch size.
 
-Checks (--checks), the targets of issue 6, each a ratio of two things measured side by side here:
+Checks (--checks), the project's speed targets, each a ratio of two things measured side by side here:
     overhead    train_single's steady img/s >= 0.97 x a plain PyTorch loop (same model, optimizer,
                 batch, data on the device; common/bench.py PlainLoop)
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a

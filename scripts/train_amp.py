@@ -11,8 +11,8 @@ train_ddp.py, each tagged "# AMP:" (docs/diffs/train_amp.diff):
   skipped steps; --clip-grad clips after the gradients are unscaled;
 - fp16 on a CPU is refused: Accelerate would train in fp32 without a word; bf16 on a CPU works;
 - channels_last memory format (on by default, --no-channels-last to turn it off): convolutions
-  with tensor cores and oneDNN's bf16 kernels are fastest in NHWC (BRIEF.md: ResNet-18 on a
-  2-core CPU, 49 img/s fp32 vs 101 img/s bf16 + channels_last).
+  with tensor cores and oneDNN's bf16 kernels are fastest in NHWC (docs/benchmark: ResNet-18 on a
+  2-core CPU, 34 img/s fp32 vs 85 img/s bf16 + channels_last).
 
 In the source articles AMP gave 1.24x on 4 V100s at the same batch (0.99 vs 1.23 ms per image).
 

@@ -22,7 +22,7 @@ BIN = Path(sys.executable).parent
 FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "100",
          "--model", "resnet20", "--batch-size", "64", "--epochs", "3", "--checkpoint-every", "4",
          "--keep-checkpoints", "10", "--report-to", "none"]
-# The restart recipe that works (BRIEF.md): c10d rendezvous, and the launcher told not to share
+# The restart recipe that works: c10d rendezvous, and the launcher told not to share
 # its TCP store with the rendezvous; the default static rendezvous fails to restart.
 RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
 
