@@ -36,10 +36,11 @@ def launch(launcher, script, *args, **kwargs):
     return run(script, *args, launcher=launcher or (sys.executable,), **kwargs)
 
 
-def _run_frozen(launcher, script, out, *extra):
+def _run_frozen(launcher, script, out, *extra, env_extra=None):
     """Run a training script with BatchNorm frozen, under ``launcher``."""
     cmd = [*launcher, FROZEN_BN, str(ROOT / "scripts" / script), *AGREE, *extra, "--output-dir", str(out)]
-    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(Path(out).parent / ".cache")}
+    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(Path(out).parent / ".cache"),
+           **(env_extra or {})}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done
@@ -58,11 +59,15 @@ def one_process(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- agreement
 
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun", "accelerate --compile"])
 def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher):
     out = tmp_path / "run"
-    done = _run_frozen(ACCELERATE if launcher == "accelerate" else TORCHRUN, "train_ddp.py", out, "--no-scale-lr")
+    # --compile: Accelerate wraps the DDP model in torch.compile; aot_eager traces it as inductor would.
+    compiled = ["--compile", "aot_eager"] if "--compile" in launcher else []
+    done = _run_frozen(TORCHRUN if launcher == "torchrun" else ACCELERATE, "train_ddp.py", out, "--no-scale-lr",
+                       *compiled, env_extra={"TORCH_LOGS": "graph_code"} if compiled else None)
     assert "on 2 x cpu" in done.stdout and "global batch 64 = 2 x 32" in done.stdout
+    assert ("TRACED GRAPH" in done.stderr) == bool(compiled)
     ddp = weights(out)
     assert max_difference(ddp, one_process) < 1e-5
     set_seed(0)
