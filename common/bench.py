@@ -9,7 +9,6 @@ best of its repeats, as a peak is.
 
 import contextlib
 import os
-import pickle
 import platform
 import signal
 import subprocess
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import psutil
 import torch
 import torchvision
@@ -28,19 +26,12 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.augment import BatchTransform, channel_stats
-from common.data import make_synthetic
+from common.data import make_synthetic, write_cifar_pickles
+from common.gpu import GB, synchronize
 from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer
 from common.record import versions
-
-GB = 1e9  # as common/gpu.py: GB of 10^9 bytes
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 # ----------------------------------------------------------------------------------- the machine
 
@@ -259,7 +250,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: 
 # ---------------------------------------------------------------------------- input pipelines
 
 class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10 on a cifar-10-batches-py folder written by ``write_cifar10_folder``.
+    """torchvision's CIFAR10 on a cifar-10-batches-py folder written by common.data.write_cifar_pickles.
 
     The class checks the files against the MD5 sums of the real archive; None makes
     torchvision.datasets.utils.check_integrity check only that each file exists.
@@ -268,23 +259,6 @@ class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
     train_list: ClassVar = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
     test_list: ClassVar = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
     meta: ClassVar = {**torchvision.datasets.CIFAR10.meta, "md5": None}
-
-
-def write_cifar10_folder(root: Path, images: torch.Tensor, labels: torch.Tensor, classes: list[str]) -> Path:
-    """uint8 images (N, 3, 32, 32) as torchvision's cifar-10-batches-py: 5 training pickles of rows
-    of 3072 bytes (R, G, B planes), a test pickle and batches.meta. Returns the folder's parent,
-    the ``root`` that torchvision's CIFAR10 takes."""
-    folder = Path(root) / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    rows, labels = images.reshape(len(images), -1).numpy(), labels.tolist()
-    parts = np.array_split(np.arange(len(rows)), 5)
-    for i, part in enumerate(parts, start=1):
-        entry = {"batch_label": f"training batch {i} of 5", "data": rows[part],
-                 "labels": [labels[j] for j in part]}
-        (folder / f"data_batch_{i}").write_bytes(pickle.dumps(entry, protocol=2))
-    (folder / "test_batch").write_bytes(pickle.dumps({"data": rows[:10], "labels": labels[:10]}, protocol=2))
-    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": classes}, protocol=2))
-    return Path(root)
 
 
 class OurPipeline:
@@ -337,7 +311,8 @@ def compare_pipelines(data, batch_size: int, device: torch.device, rounds: int =
     both see the same machine, after one warm-up epoch each."""
     rates = {"ours": [], "torchvision": []}
     with tempfile.TemporaryDirectory() as folder:
-        root = write_cifar10_folder(Path(folder), data.train_images, data.train_labels, data.classes)
+        root = Path(folder)
+        write_cifar_pickles(root / "cifar-10-batches-py", data)
         ours = OurPipeline(data.train_images, data.train_labels, batch_size, device)
         theirs = TorchvisionPipeline(root, *channel_stats(data.train_images), batch_size, device, workers=2)
         ours.epoch(), theirs.epoch()  # warm-up: the workers start, the caches fill

@@ -440,6 +440,35 @@ def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageData:
     return ImageData(*train, *test, classes=classes, source=f"CIFAR pickles from {source}")
 
 
+def write_cifar_pickles(folder: Path, source: ImageData, cifar100: bool = False) -> None:
+    """``source`` in torchvision's cifar-10-batches-py layout (5 training pickles, a test pickle,
+    batches.meta) or, with ``cifar100``, its cifar-100-python layout: the format _read_cifar_pickles
+    reads, written for the tests and for the benchmark's torchvision pipeline."""
+    folder.mkdir(parents=True)
+
+    def batch(images, labels, name):
+        key = "fine_labels" if cifar100 else "labels"
+        entry = {"batch_label": name, key: labels.tolist(), "data": images.reshape(len(images), -1).numpy(),
+                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
+        if cifar100:
+            entry["coarse_labels"] = [0] * len(labels)
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+
+    if cifar100:
+        batch(source.train_images, source.train_labels, "train")
+        batch(source.test_images, source.test_labels, "test")
+        meta = ("meta", {"fine_label_names": source.classes, "coarse_label_names": ["animal"]})
+    else:
+        chunks = zip(source.train_images.tensor_split(5), source.train_labels.tensor_split(5))
+        for i, (images, labels) in enumerate(chunks, start=1):
+            batch(images, labels, f"data_batch_{i}")
+        batch(source.test_images, source.test_labels, "test_batch")
+        meta = ("batches.meta", {"num_cases_per_batch": 5, "label_names": source.classes, "num_vis": 3072})
+    with open(folder / meta[0], "wb") as f:
+        pickle.dump(meta[1], f, protocol=2)
+
+
 def _read_image_folder(root: Path) -> ImageData:
     """root/train/<class>/*.png and root/test/<class>/*.png, like torchvision's ImageFolder."""
     def class_folders(split):

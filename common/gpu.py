@@ -13,6 +13,12 @@ from common.errors import UserError
 GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a clock read next measures it; a no-op on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def data_parallel_devices(device: torch.device) -> list[torch.device]:
     """The GPUs DataParallel splits every batch over: all that this process sees, cuda:0 first.
 
@@ -30,8 +36,18 @@ def peer_copy(values: torch.Tensor, source: torch.device, target: torch.device) 
     return values.to(source).to(target).cpu()
 
 
+def broken_peer_copies(devices: list[torch.device]) -> list[tuple[torch.device, torch.device]]:
+    """Copy a known pattern between every ordered pair of GPUs: the (source, target) pairs whose
+    copy arrived different."""
+    # 4 MiB of random words: zeros, stale or shifted data all show.
+    expected = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(0))
+    return [(source, target) for source in devices for target in devices
+            if source != target and not torch.equal(peer_copy(expected, source, target), expected)]
+
+
 def check_peer_copies(devices: list[torch.device]) -> None:
-    """Copy a known pattern between every ordered pair of GPUs and compare what arrives.
+    """Stop, with what to do, when a copy between two GPUs arrives wrong (broken_peer_copies).
 
     On some PCIe machines peer-to-peer copies are enabled but broken (an IOMMU or PCIe ACS
     redirects them); the copies then deliver wrong data without an error and DataParallel's loss
@@ -39,17 +55,14 @@ def check_peer_copies(devices: list[torch.device]) -> None:
     NCCL_P2P_DISABLE=1 only changes NCCL's transport, and DataParallel's scatter and gather are
     plain tensor copies, so only DDP with NCCL_P2P_DISABLE=1 avoids the broken path.
     """
-    # 4 MiB of random words: zeros, stale or shifted data all show.
-    expected = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,
-                             generator=torch.Generator().manual_seed(0))
-    for source in devices:
-        for target in devices:
-            if source != target and not torch.equal(peer_copy(expected, source, target), expected):
-                raise UserError(
-                    f"a GPU-to-GPU copy {source} -> {target} returned wrong data: peer-to-peer copies are broken "
-                    f"on this machine (IOMMU or PCIe ACS; see `nvidia-smi topo -m`) and DataParallel copies "
-                    f"directly between GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 "
-                    f"accelerate launch ... scripts/train_ddp.py instead, or turn the IOMMU / ACS off")
+    broken = broken_peer_copies(devices)
+    if broken:
+        source, target = broken[0]
+        raise UserError(
+            f"a GPU-to-GPU copy {source} -> {target} returned wrong data: peer-to-peer copies are broken "
+            f"on this machine (IOMMU or PCIe ACS; see `nvidia-smi topo -m`) and DataParallel copies "
+            f"directly between GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 "
+            f"accelerate launch ... scripts/train_ddp.py instead, or turn the IOMMU / ACS off")
 
 
 def memory_report(devices: list[torch.device]) -> dict[str, list[float]]:

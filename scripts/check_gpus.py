@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.gpu import peer_copy
+from common.gpu import broken_peer_copies, synchronize
 
 P2P_ADVICE = ("DataParallel (scripts/train_dp.py) copies directly between GPUs, so do not use it here; train "
               "with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py, and ask for the IOMMU "
@@ -149,10 +149,7 @@ def check_topology(count: int) -> Check:
 
 def check_pair_copies(devices: list[torch.device]) -> Check:
     """A known pattern copied between every ordered pair, as DataParallel's scatter and gather copy."""
-    expected = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,  # 4 MiB: stale or shifted data shows
-                             generator=torch.Generator().manual_seed(0))
-    bad = [f"{source} -> {target}" for source in devices for target in devices
-           if source != target and not torch.equal(peer_copy(expected, source, target), expected)]
+    bad = [f"{source} -> {target}" for source, target in broken_peer_copies(devices)]
     pairs = len(devices) * (len(devices) - 1)
     if bad:
         return Check("copies between GPUs", False, f"{len(bad)} of {pairs} copies returned wrong data: "
@@ -187,13 +184,11 @@ def allreduce_worker(rank: int, world_size: int, backend: str, port: int, numel:
     for _ in range(2):  # warm-up: connections and buffers are set up on the first calls
         dist.all_reduce(buffer)
     dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(buffer)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     results.put((rank, wrong, (time.perf_counter() - start) / iters))
     dist.destroy_process_group()
 

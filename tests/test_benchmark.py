@@ -19,6 +19,8 @@ import torch
 from helpers import ROOT
 from PIL import Image
 
+import common.gpu
+
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
         "--checks", "overhead", "data", "precision", "compute", "--loader-images", "256", "--matmul-size", "256",
         "--sweep-batch-size", "16"]
@@ -166,13 +168,13 @@ def test_check_gpus_fails_with_advice_when_the_sum_is_wrong(tmp_path):
 def test_a_broken_gpu_to_gpu_copy_is_named_with_advice(monkeypatch):
     check_gpus = load_script("check_gpus")
     gpus = [torch.device("cuda", i) for i in range(3)]  # only names: the patched copy never touches a GPU
-    monkeypatch.setattr(check_gpus, "peer_copy", lambda values, source, target: values.clone())
+    monkeypatch.setattr(common.gpu, "peer_copy", lambda values, source, target: values.clone())
     assert check_gpus.check_pair_copies(gpus).ok is True
 
     def broken(values, source, target):  # GPU 2 receives stale data, as through a broken IOMMU
         return torch.zeros_like(values) if target.index == 2 else values.clone()
 
-    monkeypatch.setattr(check_gpus, "peer_copy", broken)
+    monkeypatch.setattr(common.gpu, "peer_copy", broken)
     result = check_gpus.check_pair_copies(gpus)
     assert result.ok is False
     assert result.detail == "2 of 6 copies returned wrong data: cuda:0 -> cuda:2, cuda:1 -> cuda:2"

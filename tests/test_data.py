@@ -7,7 +7,6 @@ in every format the loader reads, the way the real tools write them.
 
 import io
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -63,33 +62,6 @@ def hub_splits(source: ImageData, label_column: str = "label") -> datasets.Datas
                                 test=split(source.test_images, source.test_labels))
 
 
-def write_cifar_pickles(folder: Path, source: ImageData, cifar100: bool) -> None:
-    """torchvision's cifar-10-batches-py (5 train batches) or cifar-100-python layout."""
-    folder.mkdir(parents=True)
-
-    def batch(images, labels, name):
-        key = "fine_labels" if cifar100 else "labels"
-        entry = {"batch_label": name, key: labels.tolist(), "data": images.reshape(len(images), -1).numpy(),
-                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
-        if cifar100:
-            entry["coarse_labels"] = [0] * len(labels)
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-
-    if cifar100:
-        batch(source.train_images, source.train_labels, "train")
-        batch(source.test_images, source.test_labels, "test")
-        meta = ("meta", {"fine_label_names": source.classes, "coarse_label_names": ["animal"]})
-    else:
-        chunks = zip(source.train_images.tensor_split(5), source.train_labels.tensor_split(5))
-        for i, (images, labels) in enumerate(chunks, start=1):
-            batch(images, labels, f"data_batch_{i}")
-        batch(source.test_images, source.test_labels, "test_batch")
-        meta = ("batches.meta", {"num_cases_per_batch": 5, "label_names": source.classes, "num_vis": 3072})
-    with open(folder / meta[0], "wb") as f:
-        pickle.dump(meta[1], f, protocol=2)
-
-
 def write_image_folder(root: Path, source: ImageData) -> None:
     splits = {"train": (source.train_images, source.train_labels), "test": (source.test_images, source.test_labels)}
     for split, (images, labels) in splits.items():
@@ -109,8 +81,8 @@ def formats(source, tmp_path_factory) -> dict[str, Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         splits[split].to_parquet(path)
     splits.save_to_disk(root / "save_to_disk")
-    write_cifar_pickles(root / "cifar-10-batches-py", source, cifar100=False)
-    write_cifar_pickles(root / "c100" / "cifar-100-python", source, cifar100=True)
+    data_module.write_cifar_pickles(root / "cifar-10-batches-py", source, cifar100=False)
+    data_module.write_cifar_pickles(root / "c100" / "cifar-100-python", source, cifar100=True)
     (root / "tar").mkdir()
     with tarfile.open(root / "tar" / "cifar-10-python.tar.gz", "w:gz") as tar:
         tar.add(root / "cifar-10-batches-py", arcname="cifar-10-batches-py")
