@@ -1,19 +1,27 @@
-"""Checkpoint files: the run folder, full training state through Accelerate, final weights.
+"""The run folder and its files: config.json, metrics.jsonl, checkpoints, the final weights.
 
-Every file is written under a temporary name and renamed into place, so a process killed while
-writing leaves the previous file or checkpoint intact, where writing in place would leave a
-half-written checkpoint that the next --resume would pick.
+Every file is written under a temporary name and renamed into place (``atomic_write``), so a
+process killed while writing leaves the previous file or checkpoint intact, where writing in place
+would leave a half-written checkpoint that the next --resume would pick.
 """
 
+import json
 import os
+import platform
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from accelerate.utils import broadcast_object_list
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from common.errors import UserError
 
@@ -130,13 +138,35 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     return final
 
 
-def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str]) -> None:
-    """The final weights as a plain state dict in safetensors: loads into an unwrapped model."""
+def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
+    """The final weights as a plain state dict in safetensors: loads into an unwrapped model.
+
+    ``metadata`` is what evaluation needs besides the weights (the model name, the class names, the
+    normalisation, the input size); values that are not strings are stored as JSON (read_metadata).
+    """
     state = {k: v.detach().cpu().contiguous() for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
-    partial = Path(path).with_name(f".tmp-{Path(path).name}")
-    save_file(state, str(partial), metadata=metadata)
-    _fsync_file(partial)
-    os.replace(partial, path)
+    text = {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
+    with atomic_write(path) as f:
+        f.write(safetensors.torch.save(state, metadata=text))
+
+
+def read_metadata(path: Path) -> dict:
+    """The metadata save_weights stored in a .safetensors file, JSON values decoded; empty for
+    other files and for files without metadata."""
+    if Path(path).suffix != ".safetensors":
+        return {}
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            stored = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by load_weights
+        return {}
+    decoded = {}
+    for key, value in stored.items():
+        try:
+            decoded[key] = json.loads(value)
+        except ValueError:
+            decoded[key] = value  # a plain string, e.g. the model name
+    return decoded
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -171,6 +201,29 @@ def strip_wrapper_prefixes(state: dict) -> dict:
             key = key.split(".", 1)[1]
         return key
     return {clean(k): v for k, v in state.items()}
+
+
+@contextmanager
+def atomic_write(path: Path):
+    """Open a new file for ``path`` in binary mode; on success it reaches the disk and replaces
+    ``path`` in one rename, on failure it is removed. Readers see the old file or the whole new one.
+
+        with atomic_write(output_dir / "config.json") as f:
+            f.write(text.encode())
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename itself reaches the disk
 
 
 def _fsync_file(path: Path) -> None:
@@ -214,3 +267,59 @@ class TrainProgress:
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])
         self.tracker_run_id = state.get("tracker_run_id")
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json and metrics.jsonl
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("torch", "torchvision", "accelerate", "datasets", "wandb"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs, when it runs from a git checkout."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_config(flags: dict, derived: dict) -> dict:
+    """The resolved flags, what was derived from them and the environment: config.json and wandb."""
+    return {"args": flags, **derived, "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
+
+
+def write_json(path: Path, obj) -> None:
+    with atomic_write(path) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode())
+
+
+def check_resume_config(checkpoint: Path, flags: dict, resumable: set[str]) -> None:
+    """A resumed run must be the same experiment: the same ``flags`` (dest: value) as the run the
+    checkpoint belongs to (its config.json), except those in ``resumable``."""
+    output_dir = Path(checkpoint).parent.parent
+    try:
+        saved = json.loads((output_dir / "config.json").read_text())["args"]
+    except (OSError, ValueError, KeyError):
+        raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the run's flags "
+                        f"are unknown; start a new run") from None
+    for key, value in flags.items():
+        if key not in resumable and key in saved and saved[key] != value:
+            flag = "--" + key.replace("_", "-")
+            now, then = ("not set" if v is None else repr(v) for v in (value, saved[key]))
+            raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
+                            f"resume with the same {flag} or start a new run")
+
+
+def write_metrics(output_dir: Path, history: list[dict]) -> None:
+    """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the checkpoint."""
+    with atomic_write(Path(output_dir) / "metrics.jsonl") as f:
+        f.write("".join(json.dumps(m) + "\n" for m in history).encode())

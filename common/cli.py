@@ -1,6 +1,7 @@
-"""The flags every training script shares, so the same flag means the same thing everywhere."""
+"""The flags every training script shares, so that the same flag means the same thing everywhere."""
 
 import argparse
+import math
 
 from common.data import DATASETS
 from common.errors import UserError
@@ -10,6 +11,12 @@ from common.models import model_names
 # nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
 # graph breaks.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+# Flags (their dest) that may change when a run is resumed; any other change would make the resumed
+# run a different experiment. A script adds those of its own strategy.
+RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints",
+                             "report_to", "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every",
+                             "checkpoint_every", "compile"})
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,7 +46,13 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                        help="GLOBAL batch: images per optimizer step summed over all devices and processes; "
                             "each device gets batch-size / devices (default: %(default)s)")
     train.add_argument("--lr", type=float, default=0.1,
-                       help="peak learning rate of the schedule (default: %(default)s)")
+                       help="peak learning rate of the schedule for a global batch of --reference-batch-size; "
+                            "other batch sizes scale it (--scale-lr) (default: %(default)s)")
+    train.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
+                       help="linear scaling rule: peak lr = --lr x --batch-size / --reference-batch-size, so a "
+                            "larger global batch keeps its accuracy; --no-scale-lr uses --lr as given (default: on)")
+    train.add_argument("--reference-batch-size", type=int, default=128,
+                       help="the global batch that --lr is tuned for (default: %(default)s)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, Nesterov (default: %(default)s)")
     train.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay (default: %(default)s)")
     train.add_argument("--label-smoothing", type=float, default=0.0,
@@ -53,6 +66,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--warmup-epochs", type=float, default=1.0,
                        help="linear warm-up length in epochs, for both schedules; 0 for none "
                             "(default: %(default)s)")
+    train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
+                       help="clip the global gradient norm (all parameters, all processes) to MAX_NORM before "
+                            "each step (default: no clipping)")
+    train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                       help="NHWC memory format for the model and its batches: faster convolutions on tensor "
+                            "cores and in oneDNN on CPUs (default: on)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initialisation, shuffling and augmentation (default: %(default)s)")
     train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -118,7 +137,7 @@ def check_args(args: argparse.Namespace) -> None:
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
                 "--synthetic-train-size": args.synthetic_train_size,
                 "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints,
-                "--log-every": args.log_every}
+                "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size}
     if args.checkpoint_every is not None:
         positive["--checkpoint-every"] = args.checkpoint_every
     if args.max_steps is not None:
@@ -126,7 +145,9 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
-    if args.lr <= 0:
-        raise UserError(f"--lr {args.lr}: must be positive")
+    if not 0 < args.lr < math.inf:
+        raise UserError(f"--lr {args.lr}: must be a positive number")
+    if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
+        raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number")
     if args.warmup_epochs < 0:
         raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be 0 or more")

@@ -33,7 +33,8 @@ import PIL.Image
 import torch
 from filelock import FileLock
 
-from common.errors import UserError
+from common.checkpoint import atomic_write
+from common.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,14 @@ def _load_or_build(path: Path, build) -> ImageData:
             saved = torch.load(path, weights_only=True)
             return ImageData(**saved)
         except Exception as e:  # a truncated or foreign file only costs a rebuild
-            log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path, _first_line(e))
+            log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path, first_line(e))
     data = _checked(build())
     cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
     try:
-        _save_atomically(vars(cached), path)
+        with atomic_write(path) as f:
+            torch.save(vars(cached), f)
     except OSError as e:
-        log.warning("could not write cache file %s (%s); the next run decodes again", path, _first_line(e))
+        log.warning("could not write cache file %s (%s); the next run decodes again", path, first_line(e))
         return data
     return cached
 
@@ -138,22 +140,6 @@ def _checked(data: ImageData) -> ImageData:
     return data
 
 
-def _save_atomically(obj, path: Path) -> None:
-    # Readers see the old file or the complete new one, never half of one: the data goes to a
-    # private temporary file in the same folder, reaches the disk, and is then renamed over.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _files_key(root: Path, files: list[Path]) -> str:
     """A digest of where the files are and of their names, sizes and modification times."""
     digest = hashlib.sha256(str(root.resolve()).encode())
@@ -161,11 +147,6 @@ def _files_key(root: Path, files: list[Path]) -> str:
         st = file.stat()
         digest.update(f"\0{file.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,7 +171,7 @@ def _download(dataset: str, repo: str) -> ImageData:
             why = "HF_HUB_OFFLINE is set"
         else:
             why = f"{datasets.config.HF_ENDPOINT} is unreachable"
-        detail = "" if isinstance(e, ConnectionError) else f" ({_first_line(e)})"
+        detail = "" if isinstance(e, ConnectionError) else f" ({first_line(e)})"
         raise UserError(f"cannot load --dataset {dataset}: {why} and the Hugging Face cache holds no usable copy "
                         f"of {repo}{detail}; pass --data-dir DIR with a local copy (e.g. torchvision's "
                         f"cifar-10-batches-py or a snapshot of the Hub repository), or use --dataset synthetic"
@@ -273,7 +254,7 @@ def _decode_images(items: list[tuple[object, str]]) -> torch.Tensor:
             with PIL.Image.open(io.BytesIO(blob) if isinstance(blob, bytes) else blob) as image:
                 pixels = np.asarray(image.convert("RGB"))
         except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for corrupt or truncated files
-            raise UserError(f"cannot decode image {name} ({_first_line(e)}); replace or remove it") from None
+            raise UserError(f"cannot decode image {name} ({first_line(e)}); replace or remove it") from None
         if batch is None:
             batch = np.empty((len(items), *pixels.shape), dtype=np.uint8)
         if pixels.shape != batch.shape[1:]:
@@ -333,7 +314,7 @@ def _read_saved(folder: Path) -> ImageData:
     try:
         splits = datasets.load_from_disk(str(folder))
     except Exception as e:
-        raise UserError(f"cannot read the save_to_disk folder {folder} ({_first_line(e)}); "
+        raise UserError(f"cannot read the save_to_disk folder {folder} ({first_line(e)}); "
                         f"save it again with DatasetDict.save_to_disk") from None
     return _from_hf(splits, f"save_to_disk folder {folder}")
 
@@ -352,13 +333,13 @@ def _read_parquet(root: Path, files: list[Path]) -> ImageData:
         try:  # reads the footer, so a truncated download is caught here, by name
             pyarrow.parquet.read_schema(file)
         except Exception as e:
-            raise UserError(f"cannot read parquet file {file} ({_first_line(e)}); download it again") from None
+            raise UserError(f"cannot read parquet file {file} ({first_line(e)}); download it again") from None
     # load_dataset converts parquet to Arrow files in a cache; they are only needed until decoded.
     with tempfile.TemporaryDirectory(prefix="parquet-") as tmp:
         try:
             splits = datasets.load_dataset("parquet", data_files=by_split, cache_dir=tmp)
         except Exception as e:
-            raise UserError(f"cannot read the parquet files under {root} ({_first_line(e)}); "
+            raise UserError(f"cannot read the parquet files under {root} ({first_line(e)}); "
                             f"download them again") from None
         return _from_hf(splits, f"parquet files under {root}", fallback_names=_readme_class_names(root))
 
@@ -401,7 +382,7 @@ def _read_cifar_tar(archive: Path) -> ImageData:
                 if member.isfile():
                     members[member.name.split("/")[-1]] = tar.extractfile(member).read()
     except (OSError, EOFError, tarfile.TarError) as e:  # zlib and gzip errors are OSError
-        raise UserError(f"cannot read archive {archive} ({_first_line(e)}); download it again") from None
+        raise UserError(f"cannot read archive {archive} ({first_line(e)}); download it again") from None
 
     def read(name):
         if name not in members:
@@ -414,7 +395,7 @@ def _unpickle(blob: bytes, name: str) -> dict:
     try:
         return pickle.loads(blob, encoding="latin1")  # the files were written by Python 2
     except Exception as e:
-        raise UserError(f"cannot unpickle {name} ({_first_line(e)}); download the CIFAR archive again") from None
+        raise UserError(f"cannot unpickle {name} ({first_line(e)}); download the CIFAR archive again") from None
 
 
 def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageData:
@@ -435,38 +416,9 @@ def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageData:
         classes = [str(name) for name in read(meta)[names_key]]
         train, test = split(train_files), split(test_files)
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{source} is not in CIFAR's pickle format ({_first_line(e)}); "
+        raise UserError(f"{source} is not in CIFAR's pickle format ({first_line(e)}); "
                         f"download the CIFAR archive again") from None
     return ImageData(*train, *test, classes=classes, source=f"CIFAR pickles from {source}")
-
-
-def write_cifar_pickles(folder: Path, source: ImageData, cifar100: bool = False) -> None:
-    """``source`` in torchvision's cifar-10-batches-py layout (5 training pickles, a test pickle,
-    batches.meta) or, with ``cifar100``, its cifar-100-python layout: the format _read_cifar_pickles
-    reads, written for the tests and for the benchmark's torchvision pipeline."""
-    folder.mkdir(parents=True)
-
-    def batch(images, labels, name):
-        key = "fine_labels" if cifar100 else "labels"
-        entry = {"batch_label": name, key: labels.tolist(), "data": images.reshape(len(images), -1).numpy(),
-                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
-        if cifar100:
-            entry["coarse_labels"] = [0] * len(labels)
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-
-    if cifar100:
-        batch(source.train_images, source.train_labels, "train")
-        batch(source.test_images, source.test_labels, "test")
-        meta = ("meta", {"fine_label_names": source.classes, "coarse_label_names": ["animal"]})
-    else:
-        chunks = zip(source.train_images.tensor_split(5), source.train_labels.tensor_split(5))
-        for i, (images, labels) in enumerate(chunks, start=1):
-            batch(images, labels, f"data_batch_{i}")
-        batch(source.test_images, source.test_labels, "test_batch")
-        meta = ("batches.meta", {"num_cases_per_batch": 5, "label_names": source.classes, "num_vis": 3072})
-    with open(folder / meta[0], "wb") as f:
-        pickle.dump(meta[1], f, protocol=2)
 
 
 def _read_image_folder(root: Path) -> ImageData:

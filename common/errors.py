@@ -1,4 +1,4 @@
-"""The one exception the scripts raise for bad input: printed as one line, no traceback."""
+"""Bad input: the one exception the scripts raise for it, printed as one line, no traceback."""
 
 
 class UserError(SystemExit):
@@ -11,3 +11,9 @@ class UserError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
         self.message = message
+
+
+def first_line(error: BaseException) -> str:
+    """An exception as one line for a message: its type and the first line of its text."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")

@@ -1,7 +1,9 @@
-"""Run tracking with Weights & Biases through Accelerate's tracker integration, never in the way.
+"""What a run reports as it trains: the one log line per epoch, and Weights & Biases.
 
-One wandb run per job: Accelerate creates it on the main process only, however many processes
-the job has. The run id is kept in the training state, so --resume (and an automatic restart)
+The log line (``log_line``) prints the values of metrics.jsonl, greppable, in the same order in
+every script. wandb goes through Accelerate's tracker integration and is never in the way: one
+wandb run per job, which Accelerate creates on the main process only, however many processes the
+job has. The run id is kept in the training state, so --resume (and an automatic restart)
 continues the same run. Without an API key and without WANDB_MODE, the run is written offline
 under --output-dir and one line says how to upload it (`wandb sync`): never a login prompt. A
 tracking failure prints one warning and training goes on without it.
@@ -14,6 +16,8 @@ import string
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from common.errors import first_line
 
 DEFAULT_PROJECT = "multigpu-cifar"
 
@@ -29,13 +33,15 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-def start_tracking(accelerator, args, config: dict, output_dir: Path, progress) -> None:
-    """Start (or, on resume, continue) the job's wandb run; a no-op with --report-to none.
+def start_tracking(accelerator, config: dict, output_dir: Path, progress, project: str | None = None,
+                   name: str | None = None, tags: list[str] | None = None, group: str | None = None) -> None:
+    """Start (or, on resume, continue) the job's wandb run; a no-op when the Accelerator was made
+    without ``log_with="wandb"``.
 
-    Flags win over the standard WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP /
-    WANDB_DIR variables only when given, so those keep working.
+    ``project``, ``name``, ``tags`` and ``group`` win over the standard WANDB_PROJECT / WANDB_NAME /
+    WANDB_TAGS / WANDB_RUN_GROUP variables only when given, so those keep working; so does WANDB_DIR.
     """
-    if args.report_to == "none":
+    if not accelerator.log_with:
         return
     offline_by_default = accelerator.is_main_process and not os.environ.get("WANDB_MODE") \
         and not has_wandb_credentials()
@@ -45,13 +51,12 @@ def start_tracking(accelerator, args, config: dict, output_dir: Path, progress) 
         # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
         progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     init = {"id": progress.tracker_run_id, "resume": "allow", "dir": os.environ.get("WANDB_DIR", str(output_dir))}
-    init.update({key: value for key, value in {"name": args.run_name, "tags": args.wandb_tags,
-                                                "group": args.wandb_group}.items() if value})
-    project = args.wandb_project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
+    init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items() if value})
+    project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
     try:
         accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
     except Exception as error:  # noqa: BLE001 - tracking must never stop training
-        _give_up(accelerator, f"wandb did not start ({type(error).__name__}: {_first_line(error)})")
+        _give_up(accelerator, f"wandb did not start ({first_line(error)})")
         return
     if offline_by_default:
         run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
@@ -72,7 +77,7 @@ def track(accelerator, values: dict, step: int) -> None:
     try:
         accelerator.log(flat, step=step)
     except Exception as error:  # noqa: BLE001 - tracking must never stop training
-        _give_up(accelerator, f"wandb failed to log ({type(error).__name__}: {_first_line(error)})")
+        _give_up(accelerator, f"wandb failed to log ({first_line(error)})")
 
 
 class StepLogger:
@@ -106,6 +111,18 @@ def _give_up(accelerator, why: str) -> None:
     accelerator.trackers = []
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no message"
+# Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
+OPTIONAL_FIELDS = ("loss_scale", "skipped_steps", "gpu_mem_alloc_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb")
+
+
+def log_line(m: dict) -> str:
+    """The one greppable line per epoch, in the vocabulary of metrics.jsonl."""
+    line = (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} lr={m['lr']:.4g} "
+            f"train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
+            f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
+            f"data_wait_frac={m['data_wait_frac']:.3f}")
+    for key in OPTIONAL_FIELDS:
+        if key in m:  # a list holds one value per GPU: gpu_mem_peak_gb=5.21,3.02
+            value = m[key]
+            line += f" {key}=" + (",".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:g}")
+    return line

@@ -20,7 +20,7 @@ question: how throughput and memory change with the batch size.
 
 Checks (--checks), the project's speed targets, each a ratio of two things measured side by side here:
     overhead    train_single's steady img/s >= 0.97 x a plain PyTorch loop (same model, optimizer,
-                batch, data on the device; common/bench.py PlainLoop)
+                batch, data on the device; bench/tools.py PlainLoop)
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
                 DataLoader with 2 workers; data wait < 2 % of train_single's step time
     precision   bf16 autocast + channels_last >= 1.8 x fp32, one training step of the plain loop
@@ -51,13 +51,12 @@ from pathlib import Path
 
 import torch
 
-from common import bench, steptimer
-from common.checkpoint import new_run_dir
+from bench import steptimer, tools
+from common.checkpoint import new_run_dir, write_json
 from common.cli import Parser
 from common.data import make_synthetic
 from common.errors import UserError
 from common.models import build_model
-from common.record import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -69,7 +68,7 @@ WARMUP_STEPS = 2  # steps left out of every measurement: the first allocates, tu
 PROTOCOL = (
     "each row launches its script {repeats}, as users launch it, for {warmup} + N optimizer steps "
     "(N = {steps}; --max-steps, --epochs 1, --report-to none, a temporary --output-dir), with "
-    "common.steptimer recording when each optimizer step ends. The first {warmup} steps (the warm-up) are left "
+    "bench.steptimer recording when each optimizer step ends. The first {warmup} steps (the warm-up) are left "
     "out; img/s = global batch / the median time of the other steps, which start-up, data loading, evaluation "
     "and the odd step stalled by other work do not move. {data} 50,000-image epoch = 50,000 / img/s. "
     "Speed-up = img/s over the `single` row's; scaling efficiency = speed-up / devices{cpu}; for fp16/bf16 rows "
@@ -161,7 +160,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------- one row
 
 def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Path) -> dict:
-    """Run the row's script for WARMUP_STEPS + ``steps`` optimizer steps under common.steptimer:
+    """Run the row's script for WARMUP_STEPS + ``steps`` optimizer steps under bench.steptimer:
     the time of each step after the warm-up, the data wait and the peak memory."""
     max_steps = WARMUP_STEPS + steps
     output_dir = workdir / f"{strategy.name}-b{global_batch}-{time.monotonic_ns()}"
@@ -175,8 +174,8 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
               str(output_dir)]
     times_file = str(workdir / f"{output_dir.name}-steps")
     launcher = strategy.launcher()  # python, or accelerate launch, which runs a module with -m
-    timed = [*launcher, "-m", "common.steptimer", times_file, *script]
-    run = bench.run_watched(timed, ROOT, gpus, args.timeout)
+    timed = [*launcher, "-m", "bench.steptimer", times_file, *script]
+    run = tools.run_watched(timed, ROOT, gpus, args.timeout)
     if run.returncode != 0:
         last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"exit status {run.returncode}: {last}")
@@ -205,7 +204,7 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
            "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
     print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {args.repeats} x "
           f"({WARMUP_STEPS} + {steps}) steps ...", flush=True)
-    other_work = bench.OtherWork()
+    other_work = tools.OtherWork()
     try:
         if global_batch % strategy.processes:
             raise RuntimeError(f"global batch {global_batch} does not divide by {strategy.processes} processes")
@@ -283,7 +282,7 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
             f"plain loop)", ">= 1.8x", f"the bf16 / fp32 matmul peaks allow {allows:.2f}x here",
             single.get("other_work")))
     if "compute" in checks and rate and peaks["fp32"]:
-        flops, peak = bench.flops_per_image(args.model), statistics.median(peaks["fp32"])
+        flops, peak = tools.flops_per_image(args.model), statistics.median(peaks["fp32"])
         ratio = rate * flops / peak
         plain_ratio = statistics.median(r * flops / p for r, p in zip(plain["fp32"], peaks["fp32"]))
         results.append(check(
@@ -301,8 +300,8 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
 
 def data_checks(single, args, device) -> list[dict]:
     """Our loader + augmentation against torchvision's CIFAR10 pipeline, epochs alternated."""
-    batch, other_work = args.per_device_batch_size, bench.OtherWork()
-    rates = bench.compare_pipelines(make_synthetic(args.loader_images, 10), batch, device)
+    batch, other_work = args.per_device_batch_size, tools.OtherWork()
+    rates = tools.compare_pipelines(make_synthetic(args.loader_images, 10), batch, device)
     ratio = statistics.median(o / t for o, t in zip(rates["ours"], rates["torchvision"]))
     ours, theirs = statistics.median(rates["ours"]), statistics.median(rates["torchvision"])
     results = [check(
@@ -321,11 +320,11 @@ def data_checks(single, args, device) -> list[dict]:
 def compile_check(setting, eager, args, steps, device) -> dict:
     """torch.compile of the plain loop, from an empty cache: compile time = first step - a steady
     step; the speed-up is over an eager round in the same setting, run right after."""
-    name, other_work = f"compile: torch.compile, {setting}", bench.OtherWork()
+    name, other_work = f"compile: torch.compile, {setting}", tools.OtherWork()
     try:
-        loop = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=setting == "bf16",
+        loop = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=setting == "bf16",
                                channels_last=setting == "bf16", compiled=True)
-        with bench.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
+        with tools.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
             first = loop.run(1)
         rate, eager_rate = steady_rate(loop, steps), steady_rate(eager, steps)
     except Exception as error:  # noqa: BLE001 - a missing or failing compiler is a result to report
@@ -382,7 +381,7 @@ def main(args):
     build_model(args.model, num_classes=10)  # an unknown --model stops here, with the valid names
     output_dir = Path(args.output_dir) if args.output_dir else new_run_dir("benchmark")
     output_dir.mkdir(parents=True, exist_ok=True)
-    machine = bench.machine_info()
+    machine = tools.machine_info()
     protocol = PROTOCOL.format(
         steps=steps, repeats="once" if args.repeats == 1 else f"{args.repeats} times", warmup=WARMUP_STEPS,
         data=f"Data: synthetic, {WARMUP_STEPS} + N + 1 batches made on the spot and held on the device."
@@ -390,10 +389,10 @@ def main(args):
         cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
         memory="per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included"
         if gpus else "per training process, its peak resident memory (VmHWM, reported by the process as it exits)")
-    print(f"benchmark: {args.model} on {bench.describe_machine(machine)}; N = {steps} steps; rows: "
+    print(f"benchmark: {args.model} on {tools.describe_machine(machine)}; N = {steps} steps; rows: "
           f"{' '.join(names)}; checks: {' '.join(checks) or 'none'}; report in {output_dir}\nprotocol: {protocol}",
           flush=True)
-    started, clock, other_work = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter(), bench.OtherWork()
+    started, clock, other_work = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter(), tools.OtherWork()
 
     # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
     # compare loops that ran on the same machine at the same time.
@@ -401,9 +400,9 @@ def main(args):
     peaks = {"fp32": [], "bf16": []}  # matmul FLOP/s, measured in the same rounds
     loops = {}
     if {"overhead", "precision", "compute", "compile"} & set(checks):
-        loops["fp32"] = bench.PlainLoop(args.model, args.per_device_batch_size, device)
+        loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device)
         if {"precision", "compile"} & set(checks) and (gpus == 0 or torch.cuda.is_bf16_supported()):
-            loops["bf16"] = bench.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
+            loops["bf16"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
                                             channels_last=True)
         for loop in loops.values():
             loop.run(WARMUP_STEPS)
@@ -414,7 +413,7 @@ def main(args):
             plain[key].append(steady_rate(loop, steps))
             if {"precision", "compute"} & set(checks):
                 dtype = torch.bfloat16 if key == "bf16" else torch.float32
-                peaks[key].append(bench.matmul_peak(device, dtype, args.matmul_size, repeats=2))
+                peaks[key].append(tools.matmul_peak(device, dtype, args.matmul_size, repeats=2))
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="benchmark-") as workdir:
@@ -438,8 +437,8 @@ def main(args):
               "other_work_cpu_share": other_work.share()}
     report["noise"] = noise_note(plain["fp32"], report["other_work_cpu_share"])
     write_json(output_dir / "benchmark.json", report)
-    bench.write_markdown(output_dir / "benchmark.md", report)
-    bench.write_chart(output_dir / "benchmark.png", report)
+    tools.write_markdown(output_dir / "benchmark.md", report)
+    tools.write_chart(output_dir / "benchmark.png", report)
     print("\n" + (output_dir / "benchmark.md").read_text())
     print(f"benchmark: {report['duration_s']:.0f} s; wrote benchmark.json, benchmark.md, benchmark.png to {output_dir}")
     failed = [r["name"] for r in rows + sweep if r.get("error")]

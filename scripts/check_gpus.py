@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.gpu import broken_peer_copies, synchronize
+from bench.tools import synchronize
+from common.parallel import broken_peer_copies
 
 P2P_ADVICE = ("DataParallel (scripts/train_dp.py) copies directly between GPUs, so do not use it here; train "
               "with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py, and ask for the IOMMU "

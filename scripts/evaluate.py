@@ -1,24 +1,28 @@
 """Evaluate saved weights on the test split: overall and per-class accuracy.
 
-Reads our model.safetensors (the model name is stored in it) and state dicts saved by other
-scripts with torch.save, including the ``module.`` prefix that a DataParallel/DDP-wrapped model
-leaves on every key. Use the same data flags as the training run, so the test split and the
-normalisation (computed from the training split) are the same.
+A model.safetensors of our training scripts carries what evaluation needs besides the test images:
+the model name, the class names, the normalisation of the training run and the input size. So the
+weights and the data source are all it takes to reproduce the accuracy the run logged:
 
     python scripts/evaluate.py --weights runs/train_single-20260101-120000/model.safetensors
+    python scripts/evaluate.py --weights runs/.../model.safetensors --data-dir ~/data/cifar10
+
+It also reads state dicts saved by other scripts with torch.save, including the ``module.`` prefix
+that a DataParallel/DDP-wrapped model leaves on every key. They carry none of that, so name the
+model; the normalisation is then computed from the training split of the data:
+
     python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 --data-dir ~/data/cifar10
 """
 
+import torch
 from accelerate import Accelerator
-from safetensors import safe_open
 
-from common.augment import BatchTransform, channel_stats
-from common.checkpoint import load_weights
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import load_weights, read_metadata
 from common.cli import Parser, add_data_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.loader import tensor_loader
 from common.models import build_model
 
 
@@ -29,35 +33,33 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None,
                         help="architecture of the weights, as --model of the training scripts (default: "
                              "the name stored in a model.safetensors)")
-    parser.add_argument("--batch-size", type=int, default=500,
+    parser.add_argument("--eval-batch-size", type=int, default=500,
                         help="images per evaluation batch (default: %(default)s)")
     add_data_args(parser)
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: must be 1 or more")
+    if args.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size {args.eval_batch_size}: must be 1 or more")
     return args
-
-
-def stored_metadata(path: str) -> dict:
-    """The metadata our training scripts write into model.safetensors (empty for other files)."""
-    if not path.endswith(".safetensors"):
-        return {}
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.metadata() or {}
-    except Exception:  # noqa: BLE001 - an unreadable file is reported by load_weights
-        return {}
 
 
 def main(args):
     state_dict = load_weights(args.weights)
-    model_name = args.model or stored_metadata(args.weights).get("model")
+    stored = read_metadata(args.weights)  # empty for files other than our model.safetensors
+    model_name = args.model or stored.get("model")
     if model_name is None:
         raise UserError(f"--weights {args.weights} does not say which model it holds: add --model NAME")
 
     accelerator = Accelerator(mixed_precision="no")
     data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                            args.synthetic_test_size)
+    classes, image_size = stored.get("classes", data.classes), stored.get("image_size")
+    if list(classes) != data.classes:
+        raise UserError(f"--weights {args.weights} were trained on the classes {', '.join(classes[:5])}... but the "
+                        f"data has {', '.join(data.classes[:5])}...: pass the data flags of the training run")
+    if image_size and list(data.test_images.shape[2:]) != list(image_size):
+        raise UserError(f"--weights {args.weights} were trained on {'x'.join(map(str, image_size))} images but the "
+                        f"test images are {'x'.join(map(str, data.test_images.shape[2:]))}: pass the data flags "
+                        f"of the training run")
     model = build_model(model_name, num_classes=len(data.classes))
     try:
         model.load_state_dict(state_dict)
@@ -66,9 +68,13 @@ def main(args):
         raise UserError(f"--weights {args.weights} do not fit --model {model_name} with "
                         f"{len(data.classes)} classes ({first}); check --model and the data flags") from None
 
-    transform = BatchTransform(*channel_stats(data.train_images))
+    # The training run's normalisation, else (weights from elsewhere) the training split's statistics.
+    normalization = stored.get("normalization") or dict(zip(("mean", "std"), channel_stats(data.train_images)))
+    # channels_last, as the training scripts evaluate by default: the same arithmetic, the same accuracy.
+    transform = BatchTransform(normalization["mean"], normalization["std"], channels_last=True)
+    model = model.to(memory_format=torch.channels_last)
     device = accelerator.device
-    loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device), args.batch_size,
+    loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device), args.eval_batch_size,
                            shuffle=False)
     model, loader = accelerator.prepare(model, loader)
     result = evaluate(model, loader, transform, accelerator, len(data.classes))

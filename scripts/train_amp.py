@@ -5,16 +5,17 @@ delicate (losses, reductions, the weights and the optimizer) stays in fp32. Chan
 train_ddp.py, each tagged "# AMP:" (docs/diffs/train_amp.diff):
 
 - --mixed-precision fp16|bf16, else the mixed_precision of the Accelerate config, else bf16 where
-  the device has it (CPUs with AVX-512 bf16, Ampere and newer GPUs) and fp16 elsewhere;
-- fp16 scales the loss so small gradients do not underflow (GradScaler); a step whose gradients
-  overflowed is skipped, the schedule waits with it, and the log line shows the loss scale and the
-  skipped steps; --clip-grad clips after the gradients are unscaled;
-- fp16 on a CPU is refused: Accelerate would train in fp32 without a word; bf16 on a CPU works;
-- channels_last memory format (on by default, --no-channels-last to turn it off): convolutions
-  with tensor cores and oneDNN's bf16 kernels are fastest in NHWC (docs/benchmark: ResNet-18 on a
-  2-core CPU, 34 img/s fp32 vs 85 img/s bf16 + channels_last).
+  the hardware has it (CPUs, GPUs of compute capability 8.0 and newer: Ampere, Hopper) and fp16 on
+  older GPUs;
+- Accelerate's autocast around the model's forward, and for fp16 its GradScaler: the loss is
+  scaled so small gradients do not underflow, a step whose gradients overflowed is skipped (the
+  schedule waits with it), --clip-grad clips after the gradients are unscaled, and the log line
+  shows the loss scale and the skipped steps. A non-finite loss still stops the run: it comes from
+  the forward pass, which the loss scale does not change;
+- fp16 on a CPU is refused: Accelerate would train in fp32 without a word; bf16 on a CPU works.
 
 In the source articles AMP gave 1.24x on 4 V100s at the same batch (0.99 vs 1.23 ms per image).
+On the 2-core CPU of docs/benchmark, ResNet-18 trained at 34 img/s in fp32 and 85 img/s in bf16.
 
 Launch:
     accelerate launch --config_file accelerate_configs/4gpu_bf16.yaml scripts/train_amp.py
@@ -25,51 +26,57 @@ Launch:
 Resume: the same command plus --output-dir runs/train_amp-... --resume.
 """
 
-import argparse
-import json
-import os
+
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.augment import BatchTransform, channel_stats
-from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
-from common.cli import build_parser, check_args
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import (
+    TrainProgress,
+    check_resume_config,
+    resolve_run,
+    run_config,
+    save_checkpoint,
+    save_weights,
+    write_json,
+    write_metrics,
+)
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.gpu import process_peak_memory
-from common.guard import stop_if_not_finite
-from common.launch import check_batch_split, check_gpus_per_node, check_world_size
-from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.record import check_resume_config, log_line, run_config, write_json, write_metrics
-from common.tracking import StepLogger, start_tracking, track
+from common.parallel import (
+    check_batch_split,
+    check_gpus_per_node,
+    check_world_size,
+    choose_mixed_precision,
+    process_peak_memory,
+    stop_if_not_finite,
+)
+from common.tracking import StepLogger, log_line, start_tracking, track
+
+SCRIPT = Path(__file__).stem
+RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
-    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,  # DDP
-                        help="scale --lr by global batch / --reference-batch-size (default: on)")
-    parser.add_argument("--reference-batch-size", type=int, default=128,  # DDP
-                        help="the global batch that --lr is tuned for (default: %(default)s)")
-    parser.add_argument("--sync-bn", action="store_true",  # DDP
+    parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
-    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP
+    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP: a stalled process fails the job
                         help="seconds a process waits for the others in a collective before the job fails; "
                              "a stalled process ends the job instead of hanging it (default: %(default)s)")
-    parser.add_argument("--mixed-precision", choices=("fp16", "bf16"), default=None,  # AMP
-                        help="16-bit format under autocast (default: the Accelerate config's, else bf16 "
-                             "where the device has it, else fp16)")
-    parser.add_argument("--clip-grad", type=float, default=None,  # AMP
-                        help="clip the gradient norm to this value, after unscaling (default: no clipping)")
-    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,  # AMP
-                        help="NHWC memory format for the model and batches (default: on)")
+    parser.add_argument("--mixed-precision", choices=("fp16", "bf16"), default=None,  # AMP: the 16-bit format
+                        help="16-bit format under autocast (default: the Accelerate config's, else bf16 where "
+                             "the hardware has it, else fp16)")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -77,30 +84,21 @@ def parse_args(argv=None):
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    # AMP: the flag, else the Accelerate config's (accelerate launch exports it), else a default.
-    precision = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision == "no":
-        precision = "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
-    if precision == "fp16" and not torch.cuda.is_available():  # AMP: Accelerate would ignore it silently
-        raise UserError("--mixed-precision fp16 needs a GPU (on a CPU Accelerate would train in fp32 without "
-                        "a word): use --mixed-precision bf16")
+    precision = choose_mixed_precision(args.mixed_precision)  # AMP: fp16 or bf16, refused where it cannot work
     check_gpus_per_node()  # DDP: one process per GPU, never more
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         cpu=not torch.cuda.is_available(),  # DDP: without it, no GPU means N lone trainings, not gloo
-        mixed_precision=precision,  # AMP: autocast in forward, and a GradScaler for fp16
+        mixed_precision=precision,  # AMP: prepare() autocasts the forward; fp16 adds a GradScaler
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
-        # DDP: split_batches: --batch-size is global, each process takes its slice of every batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed,
-                                                  split_batches=True),
-        # DDP: a process that stalls fails the job after --dist-timeout instead of hanging it.
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+                                                  split_batches=True),  # DDP: each process takes a slice
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],  # DDP: fail, not hang
     )
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
-    # DDP: every process gets an equal slice of the global batch.
-    check_batch_split(args.batch_size, accelerator.num_processes, f"{accelerator.num_processes} processes")
-    per_device_batch = args.batch_size // accelerator.num_processes  # DDP
+    check_batch_split(args.batch_size, accelerator.num_processes, "processes")  # DDP: equal slices
+    per_device_batch = args.batch_size // accelerator.num_processes  # DDP: the slice of each process
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
     set_seed(args.seed)
@@ -114,7 +112,7 @@ def main(args):
         raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
                         f"training images: use a smaller --batch-size")
     transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
-                               channels_last=args.channels_last)  # AMP: NHWC batches
+                               channels_last=args.channels_last)
     device = accelerator.device  # the whole dataset lives on the device: no copy per batch
     train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
                                  args.batch_size, shuffle=True, seed=args.seed)
@@ -125,11 +123,11 @@ def main(args):
     model = build_model(args.model, num_classes=len(data.classes))
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.channels_last:  # AMP: tensor cores and oneDNN bf16 kernels prefer NHWC
+    if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
-    # DDP: a larger global batch takes a proportionally larger lr (Goyal et al. 2017, linear rule).
-    lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
-    optimizer = build_optimizer(model, lr, args.momentum, args.weight_decay)
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
@@ -140,26 +138,26 @@ def main(args):
 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
-    config = run_config(args, {
+    config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device),
-        "per_device_batch_size": per_device_batch,  # DDP
-        "global_batch_size": args.batch_size, "lr": lr, "mixed_precision": precision,  # AMP
+        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "mixed_precision": precision,  # AMP: the 16-bit format of this run
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-        "test_size": len(data.test_labels),
+        "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, args)
+        check_resume_config(checkpoint, vars(args), RESUMABLE)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"train_amp: {precision} {args.model} on {accelerator.num_processes} x {device}, "  # AMP
-                      f"channels_last {args.channels_last}, global batch "
-                      f"{args.batch_size} = {accelerator.num_processes} x {per_device_batch}, lr {lr:g}, "
+    accelerator.print(f"{SCRIPT}: {precision} {args.model} on {accelerator.num_processes} x {device}, "  # AMP: format
+                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
@@ -173,7 +171,7 @@ def main(args):
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
         batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
         loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
-        skipped = 0  # AMP: fp16 steps skipped because the gradients overflowed
+        skipped_steps = 0  # AMP: fp16 steps skipped because the gradients overflowed
         start = tick = time.perf_counter()
         for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                                    disable=not accelerator.is_main_process):
@@ -181,16 +179,14 @@ def main(args):
             # DDP: and from the process index, so the processes do not flip and crop alike.
             images = transform.train(images, seed=(args.seed, progress.step, accelerator.process_index))
             data_wait += time.perf_counter() - tick
-            with accelerator.autocast():  # AMP: the forward and the loss in 16 bits where it is safe
-                loss = criterion(model(images), labels)
-            if precision != "fp16":  # AMP: fp16 skips a step with inf/nan gradients instead of stopping
-                stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
+            loss = criterion(model(images), labels)
+            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)  # AMP: fp16 multiplies the loss by the scale first
-            if args.clip_grad:  # AMP: Accelerate unscales the gradients before it clips them
+            accelerator.backward(loss)
+            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
                 accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()  # AMP: fp16 skips the step on inf/nan gradients; the schedule then waits
-            skipped += accelerator.optimizer_step_was_skipped  # AMP
+            optimizer.step()  # AMP: fp16 skips the step on inf/NaN gradients; the schedule then waits
+            skipped_steps += accelerator.optimizer_step_was_skipped  # AMP: counted for the log line
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             progress.step += 1
@@ -204,8 +200,8 @@ def main(args):
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
-        # DDP: the mean over processes; .item() waits for the device, so the time is true.
-        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained
+        # .item() waits for the device, so the epoch time below is true.
+        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained  # DDP: the mean over processes
         epoch_time = time.perf_counter() - start
         epoch_complete = progress.batch_in_epoch == steps_per_epoch
         if epoch_complete:
@@ -218,7 +214,7 @@ def main(args):
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
         if accelerator.scaler is not None:  # AMP: fp16 only
-            metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped)
+            metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped_steps)
         metrics.update(process_peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:
@@ -229,9 +225,11 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
+        # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+                     {"model": args.model, "step": progress.step,
+                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

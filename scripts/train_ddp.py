@@ -6,16 +6,15 @@ backward, so every copy takes the same optimizer step. PyTorch recommends this o
 nn.DataParallel even on one node. Without GPUs it runs on the CPU with the gloo backend, which is
 how the tests check it. Changes from train_single.py, each tagged "# DDP:" (docs/diffs/train_ddp.diff):
 
-- Accelerate on CPU when there is no GPU (else each process trains alone) and a check that it sees
-  every process the launcher started;
-- --batch-size stays the GLOBAL batch: each process takes its slice (split_batches), so the
-  recipe does not change with the number of devices;
-- --scale-lr (on): lr x global batch / --reference-batch-size (Goyal et al. 2017, with the
-  warm-up of --warmup-epochs); --no-scale-lr keeps --lr as given. In the source articles 4-GPU
+- Accelerate on CPU when there is no GPU (else each process trains alone) and checks that it sees
+  every process the launcher started, one per GPU;
+- --batch-size stays the GLOBAL batch: each process takes its slice (split_batches), so the recipe,
+  and the lr scaled for it, do not change with the number of devices. In the source articles 4-GPU
   DDP fell from 27 % to 14 % accuracy after one epoch because the global batch grew 4x and the lr
   did not;
 - --sync-bn: BatchNorm statistics over the global batch instead of each process's slice (GPUs);
-- augmentation seeded per process, the train loss averaged over processes; evaluation was already
+- --dist-timeout: a process that stalls ends the job instead of hanging it;
+- augmentation seeded per process, the train loss averaged over processes. Evaluation was already
   exact (gather_for_metrics drops the padding duplicates) and files are written by the main
   process only.
 
@@ -28,41 +27,50 @@ Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_conf
 Resume: the same command plus --output-dir runs/train_ddp-... --resume.
 """
 
-import argparse
-import json
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.augment import BatchTransform, channel_stats
-from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
-from common.cli import build_parser, check_args
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import (
+    TrainProgress,
+    check_resume_config,
+    resolve_run,
+    run_config,
+    save_checkpoint,
+    save_weights,
+    write_json,
+    write_metrics,
+)
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.gpu import process_peak_memory
-from common.guard import stop_if_not_finite
-from common.launch import check_batch_split, check_gpus_per_node, check_world_size
-from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.record import check_resume_config, log_line, run_config, write_json, write_metrics
-from common.tracking import StepLogger, start_tracking, track
+from common.parallel import (
+    check_batch_split,
+    check_gpus_per_node,
+    check_world_size,
+    process_peak_memory,
+    stop_if_not_finite,
+)
+from common.tracking import StepLogger, log_line, start_tracking, track
+
+SCRIPT = Path(__file__).stem
+RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
-    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,  # DDP
-                        help="scale --lr by global batch / --reference-batch-size (default: on)")
-    parser.add_argument("--reference-batch-size", type=int, default=128,  # DDP
-                        help="the global batch that --lr is tuned for (default: %(default)s)")
-    parser.add_argument("--sync-bn", action="store_true",  # DDP
+    parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
-    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP
+    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP: a stalled process fails the job
                         help="seconds a process waits for the others in a collective before the job fails; "
                              "a stalled process ends the job instead of hanging it (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -79,16 +87,13 @@ def main(args):
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
-        # DDP: split_batches: --batch-size is global, each process takes its slice of every batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed,
-                                                  split_batches=True),
-        # DDP: a process that stalls fails the job after --dist-timeout instead of hanging it.
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+                                                  split_batches=True),  # DDP: each process takes a slice
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],  # DDP: fail, not hang
     )
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
-    # DDP: every process gets an equal slice of the global batch.
-    check_batch_split(args.batch_size, accelerator.num_processes, f"{accelerator.num_processes} processes")
-    per_device_batch = args.batch_size // accelerator.num_processes  # DDP
+    check_batch_split(args.batch_size, accelerator.num_processes, "processes")  # DDP: equal slices
+    per_device_batch = args.batch_size // accelerator.num_processes  # DDP: the slice of each process
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
     set_seed(args.seed)
@@ -101,7 +106,8 @@ def main(args):
     if len(data.train_labels) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
                         f"training images: use a smaller --batch-size")
-    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment)
+    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
+                               channels_last=args.channels_last)
     device = accelerator.device  # the whole dataset lives on the device: no copy per batch
     train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
                                  args.batch_size, shuffle=True, seed=args.seed)
@@ -112,9 +118,11 @@ def main(args):
     model = build_model(args.model, num_classes=len(data.classes))
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # DDP: a larger global batch takes a proportionally larger lr (Goyal et al. 2017, linear rule).
-    lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
-    optimizer = build_optimizer(model, lr, args.momentum, args.weight_decay)
+    if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
+        model = model.to(memory_format=torch.channels_last)
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
@@ -125,25 +133,25 @@ def main(args):
 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
-    config = run_config(args, {
+    config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device),
-        "per_device_batch_size": per_device_batch,  # DDP
-        "global_batch_size": args.batch_size, "lr": lr,
+        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-        "test_size": len(data.test_labels),
+        "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, args)
+        check_resume_config(checkpoint, vars(args), RESUMABLE)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"train_ddp: {args.model} on {accelerator.num_processes} x {device}, global batch "  # DDP
-                      f"{args.batch_size} = {accelerator.num_processes} x {per_device_batch}, lr {lr:g}, "
+    accelerator.print(f"{SCRIPT}: {args.model} on {accelerator.num_processes} x {device}, "  # DDP: all of them
+                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
@@ -168,6 +176,8 @@ def main(args):
             stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
+            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
+                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -182,8 +192,8 @@ def main(args):
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
-        # DDP: the mean over processes; .item() waits for the device, so the time is true.
-        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained
+        # .item() waits for the device, so the epoch time below is true.
+        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained  # DDP: the mean over processes
         epoch_time = time.perf_counter() - start
         epoch_complete = progress.batch_in_epoch == steps_per_epoch
         if epoch_complete:
@@ -205,9 +215,11 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
+        # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+                     {"model": args.model, "step": progress.step,
+                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

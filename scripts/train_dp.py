@@ -4,9 +4,8 @@ At every forward DataParallel copies the model to each GPU, scatters the batch i
 GPU, runs the copies in one thread each and gathers their outputs on the first GPU; backward sums
 the gradients into the model there. One process and no launcher, but the threads share one Python
 interpreter (the GIL) and GPU 0 does extra work: PyTorch recommends DistributedDataParallel
-instead, "even if there is only a single node" (torch.nn.DataParallel docs, and the CUDA semantics
-note "Use nn.parallel.DistributedDataParallel instead of multiprocessing or nn.DataParallel"); here
-that is scripts/train_ddp.py. In the source articles an epoch of ResNet-50 took 13.2 s on one A100,
+instead, "even if there is only a single node" (torch.nn.DataParallel docs); here that is
+scripts/train_ddp.py. In the source articles an epoch of ResNet-50 took 13.2 s on one A100,
 19.1 s with DataParallel on 4 (its input pipeline could not keep up) and 6.1 s with DDP on 4.
 
 Accelerate has no DataParallel mode and is still used for what train_single.py uses it for: device
@@ -19,16 +18,17 @@ train_single.py, each tagged "# DP:" (docs/diffs/train_dp.diff):
   bit for bit);
 - --batch-size stays the GLOBAL batch, scattered in equal slices: it must divide by the GPU count;
 - a test copy between every pair of GPUs before training: broken peer-to-peer copies (IOMMU or
-  PCIe ACS) gave the articles' NaN loss in the first epoch on two PCIe GPUs. DataParallel copies
-  directly between GPUs even with NCCL_P2P_DISABLE=1; on such a machine use train_ddp.py with
-  NCCL_P2P_DISABLE=1;
+  PCIe ACS) gave the articles' NaN loss in the first epoch on two PCIe GPUs. On such a machine use
+  train_ddp.py with NCCL_P2P_DISABLE=1;
 - per-GPU memory (allocated, reserved, peak of the epoch) in the log line: GPU 0 holds more, as it
   keeps the model, its gradients and optimizer state, the gathered outputs and the loss;
 - --loss-in-replicas: each GPU computes the loss of its own slice (the articles' "parallel
-  criterion"), so GPU 0 gathers one number per GPU instead of every output;
-- --mixed-precision fp16|bf16: autocast entered inside each replica's forward, because autocast is
-  thread-local (torch.autocast docs; PyTorch AMP examples, "Working with Multiple GPUs"); fp16 adds
-  a GradScaler, saved in checkpoints, and is refused on a CPU.
+  criterion"), so GPU 0 gathers one number per GPU instead of every output.
+
+No --compile (the replicas are new copies of the model at every step) and no mixed precision:
+Accelerate's autocast is bound to the model that prepare() saw, which every replica would call, so
+DataParallel needs autocast inside each replica's thread and a hand-driven GradScaler, a second way
+to teach AMP; scripts/train_amp.py teaches it once, on DDP.
 
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
@@ -38,93 +38,88 @@ DataParallel wrapper has `module.` in front of every key and does not load into 
 Launch:
     python scripts/train_dp.py                                  # every visible GPU
     CUDA_VISIBLE_DEVICES=0,1 python scripts/train_dp.py --batch-size 256 --loss-in-replicas
-    python scripts/train_dp.py --mixed-precision fp16           # GPUs; bf16 on Ampere and newer
     python scripts/train_dp.py --dataset synthetic --model resnet20   # a CPU: one device, no split
 It is one process: `accelerate launch --num_processes 1` works too, more processes are refused.
 Resume: the same command plus --output-dir runs/train_dp-... --resume.
 """
 
-import json
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.augment import BatchTransform, channel_stats
-from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
-from common.cli import build_parser, check_args
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import (
+    TrainProgress,
+    check_resume_config,
+    resolve_run,
+    run_config,
+    save_checkpoint,
+    save_weights,
+    write_json,
+    write_metrics,
+)
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.gpu import check_peer_copies, data_parallel_devices, memory_report, reset_peak_memory
-from common.guard import stop_if_not_finite
-from common.launch import check_batch_split, require_single_process
-from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.record import check_resume_config, log_line, run_config, write_json, write_metrics
-from common.tracking import StepLogger, start_tracking, track
+from common.parallel import (
+    check_batch_split,
+    check_peer_copies,
+    data_parallel_devices,
+    memory_report,
+    require_single_process,
+    stop_if_not_finite,
+)
+from common.tracking import StepLogger, log_line, start_tracking, track
+
+SCRIPT = Path(__file__).stem
+RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
-    parser.add_argument("--loss-in-replicas", action="store_true",  # DP
-                        help="compute the loss on each GPU's slice: GPU 0 gathers one loss per GPU instead "
-                             "of every output")
-    parser.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no",  # DP
-                        help="autocast inside each replica; fp16 adds loss scaling and needs a GPU "
-                             "(default: %(default)s)")
+    parser.add_argument("--loss-in-replicas", action="store_true",  # DP: the articles' parallel criterion
+                        help="compute each GPU's loss on that GPU: GPU 0 gathers one loss per GPU, not every output")
     args = parser.parse_args(argv)
     check_args(args)
     return args
 
 
-class Replica(torch.nn.Module):  # DP
-    """What DataParallel copies to every GPU and runs in one thread per GPU: the model under
-    autocast and, given labels, the loss of that GPU's slice (--loss-in-replicas)."""
+class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU and runs in a thread per GPU
+    """The model and, given labels, the loss of this GPU's slice of the batch (--loss-in-replicas)."""
 
-    def __init__(self, model, criterion, amp_dtype):
+    def __init__(self, model, criterion):
         super().__init__()
-        self.model, self.criterion, self.amp_dtype = model, criterion, amp_dtype
+        self.model, self.criterion = model, criterion
 
     def forward(self, images, labels=None):
-        # DP: autocast is thread-local, so it is entered here, in each replica's thread. An autocast around
-        # the DataParallel call reaches the threads without its dtype (parallel_apply re-enters the default).
-        with torch.autocast(images.device.type, self.amp_dtype, enabled=self.amp_dtype is not None):
-            outputs = self.model(images)
-            # Logits leave in fp32, so that a loss computed outside autocast is not a 16-bit one; a loss
-            # leaves as a 1-element vector: DataParallel gathers one per GPU instead of every output.
-            return outputs.float() if labels is None else self.criterion(outputs, labels).unsqueeze(0)
+        outputs = self.model(images)  # DP: a 1-element loss: GPU 0 gathers one per GPU, not every output
+        return outputs if labels is None else self.criterion(outputs, labels).unsqueeze(0)
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    require_single_process("train_dp.py")  # DP: one process drives every GPU
-    if args.compile:  # DP: its replicas are new copies of the model at every forward, outside any compiled graph
-        raise UserError(f"--compile {args.compile}: not offered with DataParallel, which copies the model to each "
-                        f"GPU at every step: use train_ddp.py --compile")
+    require_single_process(__file__)
+    if args.compile:  # DP: the replicas are new copies of the model at every step, outside any compiled graph
+        raise UserError(f"--compile {args.compile}: not offered with DataParallel: use train_ddp.py --compile")
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
-        # DP: not Accelerate's AMP: it binds model.forward to this model, and every replica would run that one.
-        mixed_precision="no",  # DP: Replica autocasts
-        dynamo_backend="no",  # DP: whatever the Accelerate config says; --compile is refused above
+        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
     devices = data_parallel_devices(accelerator.device)  # DP: every visible GPU (CUDA_VISIBLE_DEVICES)
-    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # DP: loss scaling is for GPUs
-        raise UserError("--mixed-precision fp16 needs a GPU and none is visible: use --mixed-precision bf16 "
-                        "(autocast on the CPU) or no")
     if len(devices) > 1:  # DP: equal slices, and copies between GPUs that arrive intact
-        check_batch_split(args.batch_size, len(devices), f"the {len(devices)} visible GPUs (CUDA_VISIBLE_DEVICES)")
+        check_batch_split(args.batch_size, len(devices), "visible GPUs")
         check_peer_copies(devices)
-    else:
-        accelerator.print(f"train_dp: DataParallel has nothing to split with {len(devices)} GPU(s) "  # DP
-                          f"visible: training on {accelerator.device} without it")
-    per_device_batch = args.batch_size // max(len(devices), 1)  # DP
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)  # DP: None: fp32
+    per_device_batch = args.batch_size // max(len(devices), 1)  # DP: the slice of each GPU
     set_seed(args.seed)
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
@@ -135,7 +130,8 @@ def main(args):
     if len(data.train_labels) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
                         f"training images: use a smaller --batch-size")
-    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment)
+    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
+                               channels_last=args.channels_last)
     device = accelerator.device  # the whole dataset lives on the device: no copy per batch
     train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
                                  args.batch_size, shuffle=True, seed=args.seed)
@@ -144,7 +140,11 @@ def main(args):
 
     # ------------------------------------------------------------- model, optimizer, schedule
     model = build_model(args.model, num_classes=len(data.classes))
-    optimizer = build_optimizer(model, args.lr, args.momentum, args.weight_decay)
+    if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
+        model = model.to(memory_format=torch.channels_last)
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
@@ -153,34 +153,30 @@ def main(args):
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
     # DP: wrapped after prepare, so save_state and unwrap_model keep the plain model (no module. prefix).
-    parallel_model = Replica(model, criterion, amp_dtype)
-    if len(devices) > 1:
-        parallel_model = torch.nn.DataParallel(parallel_model, device_ids=devices)  # DP: gathers on devices[0]
-    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")  # DP: a no-op unless fp16
+    parallel_model = torch.nn.DataParallel(Replica(model, criterion), device_ids=devices)  # DP: no GPU: a no-op
 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
-    accelerator.register_for_checkpointing(scaler)  # DP: fp16's loss scale continues on --resume
-    config = run_config(args, {
+    config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device),
-        "per_device_batch_size": per_device_batch, "gpus": [str(d) for d in devices],  # DP
-        "global_batch_size": args.batch_size, "lr": args.lr,
+        "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
+        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-        "test_size": len(data.test_labels),
+        "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, args)
+        check_resume_config(checkpoint, vars(args), RESUMABLE)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"train_dp: {args.model} on {', '.join(map(str, devices)) or device}, batch "  # DP
-                      f"{args.batch_size} ({per_device_batch} per device), {args.mixed_precision} mixed "
-                      f"precision, lr {args.lr:g}, "
+    accelerator.print(f"{SCRIPT}: {args.model} on {', '.join(map(str, devices)) or device}, "  # DP: every GPU
+                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
@@ -190,33 +186,26 @@ def main(args):
         if progress.step >= stop_step:
             break
         model.train()
-        reset_peak_memory(devices)  # DP: gpu_mem_peak_gb is the peak of this epoch
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
         batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
         loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
-        skipped_steps = 0  # DP: fp16 steps the GradScaler skipped (inf/NaN gradients)
         start = tick = time.perf_counter()
         for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                                    disable=not accelerator.is_main_process):
             # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
             images = transform.train(images, seed=(args.seed, progress.step))
             data_wait += time.perf_counter() - tick
-            # DP: --loss-in-replicas: the mean of one loss per GPU (equal slices), else from every output.
-            loss = (parallel_model(images, labels).mean() if args.loss_in_replicas
-                    else criterion(parallel_model(images), labels))
-            if args.mixed_precision != "fp16":  # DP: fp16 skips a step with inf/nan gradients instead
-                stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
+            loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: one loss per GPU
+                    else criterion(parallel_model(images), labels))  # DP: from the outputs gathered on GPU 0
+            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(scaler.scale(loss))  # DP: fp16 scales the loss so small gradients survive
-            scale = scaler.get_scale()  # DP: fp16: a skipped step lowers the scale
-            scaler.step(optimizer)  # DP: unscales the gradients, skips the step if they hold inf/NaN
-            scaler.update()  # DP: halves the scale after a skip, doubles it after 2000 steps without one
-            skipped = scaler.get_scale() < scale  # DP
-            skipped_steps += skipped  # DP
+            accelerator.backward(loss)
+            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
+                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+            optimizer.step()
             lr = scheduler.get_last_lr()[0]
-            if not skipped:  # DP: a skipped step must not advance the schedule
-                scheduler.step()
+            scheduler.step()
             progress.step += 1
             progress.batch_in_epoch += 1
             loss_sum += loss.detach()
@@ -228,21 +217,20 @@ def main(args):
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
-        train_loss = loss_sum.item() / trained  # .item() waits for the device, so the time is true
+        # .item() waits for the device, so the epoch time below is true.
+        train_loss = loss_sum.item() / trained
         epoch_time = time.perf_counter() - start
         epoch_complete = progress.batch_in_epoch == steps_per_epoch
         if epoch_complete:
             progress.epoch, progress.batch_in_epoch = epoch + 1, 0
 
         # ------------------------------------------------------- evaluate, record, checkpoint
-        result = evaluate(parallel_model, test_loader, transform, accelerator, len(data.classes))  # DP
+        result = evaluate(parallel_model, test_loader, transform, accelerator, len(data.classes))  # DP: all GPUs
         metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
         metrics.update(memory_report(devices))  # DP: one value per GPU; GPU 0 holds more
-        if scaler.is_enabled():  # DP: fp16 only
-            metrics.update(loss_scale=scaler.get_scale(), skipped_steps=skipped_steps)
         progress.history.append(metrics)
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)
@@ -252,9 +240,11 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
+        # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+                     {"model": args.model, "step": progress.step,
+                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

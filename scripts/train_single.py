@@ -5,9 +5,12 @@ The other scripts are this file plus only what their strategy needs; read them a
 (docs/diffs/). What this one shows:
 
 - data decoded once into uint8 tensors and augmented on the device, a whole batch at a time;
-- SGD with Nesterov momentum and a one-cycle (default) or step learning-rate schedule;
+- SGD with Nesterov momentum and a one-cycle (default) or step learning-rate schedule, its peak
+  scaled with the global batch (--scale-lr); optional gradient clipping (--clip-grad);
+- channels_last memory format (--no-channels-last to turn it off);
 - evaluation on the test split, one log line and one metrics.jsonl record per epoch;
-- full training state saved every epoch with save_state, and --resume that continues bit for bit.
+- full training state saved every epoch with save_state, and --resume that continues bit for bit;
+- final weights in model.safetensors, with what evaluation needs (model, classes, normalisation).
 
 Launch:
     python scripts/train_single.py                       # CIFAR-10 from the Hub, ResNet-18, 15 epochs
@@ -19,39 +22,48 @@ Resume a stopped run (same flags, plus):
     python scripts/train_single.py ... --output-dir runs/train_single-20260101-120000 --resume
 """
 
-import json
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.augment import BatchTransform, channel_stats
-from common.checkpoint import TrainProgress, resolve_run, save_checkpoint, save_weights
-from common.cli import build_parser, check_args
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import (
+    TrainProgress,
+    check_resume_config,
+    resolve_run,
+    run_config,
+    save_checkpoint,
+    save_weights,
+    write_json,
+    write_metrics,
+)
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
-from common.gpu import process_peak_memory
-from common.guard import stop_if_not_finite
-from common.launch import require_single_process
-from common.loader import tensor_loader
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.record import check_resume_config, log_line, run_config, write_json, write_metrics
-from common.tracking import StepLogger, start_tracking, track
+from common.parallel import process_peak_memory, require_single_process, stop_if_not_finite
+from common.tracking import StepLogger, log_line, start_tracking, track
+
+SCRIPT = Path(__file__).stem
+RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change
 
 
 def parse_args(argv=None):
-    args = build_parser(__doc__).parse_args(argv)
+    parser = build_parser(__doc__)
+    args = parser.parse_args(argv)
     check_args(args)
     return args
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    require_single_process("train_single.py")
+    require_single_process(__file__)
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
@@ -59,6 +71,7 @@ def main(args):
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
+    per_device_batch = args.batch_size  # one device takes the whole batch
     set_seed(args.seed)
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
@@ -69,7 +82,8 @@ def main(args):
     if len(data.train_labels) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
                         f"training images: use a smaller --batch-size")
-    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment)
+    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
+                               channels_last=args.channels_last)
     device = accelerator.device  # the whole dataset lives on the device: no copy per batch
     train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
                                  args.batch_size, shuffle=True, seed=args.seed)
@@ -78,7 +92,11 @@ def main(args):
 
     # ------------------------------------------------------------- model, optimizer, schedule
     model = build_model(args.model, num_classes=len(data.classes))
-    optimizer = build_optimizer(model, args.lr, args.momentum, args.weight_decay)
+    if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
+        model = model.to(memory_format=torch.channels_last)
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
@@ -89,24 +107,25 @@ def main(args):
 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
-    config = run_config(args, {
+    config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device),
-        "per_device_batch_size": args.batch_size,
-        "global_batch_size": args.batch_size, "lr": args.lr,
+        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-        "test_size": len(data.test_labels),
+        "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, args)
+        check_resume_config(checkpoint, vars(args), RESUMABLE)
         accelerator.load_state(str(checkpoint))
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
         write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, args, config, output_dir, progress)  # one wandb run per job
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"train_single: {args.model} on {device}, batch {args.batch_size}, lr {args.lr:g}, "
+    accelerator.print(f"{SCRIPT}: {args.model} on {device}, "
+                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
@@ -130,6 +149,8 @@ def main(args):
             stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
+            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
+                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -144,7 +165,8 @@ def main(args):
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             tick = time.perf_counter()
-        train_loss = loss_sum.item() / trained  # .item() waits for the device, so the time is true
+        # .item() waits for the device, so the epoch time below is true.
+        train_loss = loss_sum.item() / trained
         epoch_time = time.perf_counter() - start
         epoch_complete = progress.batch_in_epoch == steps_per_epoch
         if epoch_complete:
@@ -166,9 +188,11 @@ def main(args):
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model.
+        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
+        # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "classes": json.dumps(data.classes), "step": str(progress.step)})
+                     {"model": args.model, "step": progress.step,
+                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

@@ -15,7 +15,7 @@ from helpers import ROOT
 
 from common.checkpoint import save_checkpoint
 from common.errors import UserError
-from common.launch import check_gpus_per_node
+from common.parallel import check_gpus_per_node
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]

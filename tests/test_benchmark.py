@@ -19,7 +19,7 @@ import torch
 from helpers import ROOT
 from PIL import Image
 
-import common.gpu
+import common.parallel
 
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
         "--checks", "overhead", "data", "precision", "compute", "--loader-images", "256", "--matmul-size", "256",
@@ -168,13 +168,13 @@ def test_check_gpus_fails_with_advice_when_the_sum_is_wrong(tmp_path):
 def test_a_broken_gpu_to_gpu_copy_is_named_with_advice(monkeypatch):
     check_gpus = load_script("check_gpus")
     gpus = [torch.device("cuda", i) for i in range(3)]  # only names: the patched copy never touches a GPU
-    monkeypatch.setattr(common.gpu, "peer_copy", lambda values, source, target: values.clone())
+    monkeypatch.setattr(common.parallel, "peer_copy", lambda values, source, target: values.clone())
     assert check_gpus.check_pair_copies(gpus).ok is True
 
     def broken(values, source, target):  # GPU 2 receives stale data, as through a broken IOMMU
         return torch.zeros_like(values) if target.index == 2 else values.clone()
 
-    monkeypatch.setattr(common.gpu, "peer_copy", broken)
+    monkeypatch.setattr(common.parallel, "peer_copy", broken)
     result = check_gpus.check_pair_copies(gpus)
     assert result.ok is False
     assert result.detail == "2 of 6 copies returned wrong data: cuda:0 -> cuda:2, cuda:1 -> cuda:2"
@@ -203,10 +203,10 @@ def test_step_timer_counts_every_step_and_the_process_own_peak_memory(tmp_path):
                       "    loss = model(torch.ones(2, 4)).sum() * (float('inf') if i == 1 else 1.0)\n"
                       "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"
                       "    opt.zero_grad()\nassert scaler.get_scale() < 65536.0  # the step was skipped\n")
-    timed = [sys.executable, "-m", "common.steptimer", str(tmp_path / "t"), str(script)]
+    timed = [sys.executable, "-m", "bench.steptimer", str(tmp_path / "t"), str(script)]
     parent = f"import subprocess, numpy as np; held = np.ones(2**29); subprocess.run({timed!r}, check=True)"
     subprocess.run([sys.executable, "-c", parent], check=True, cwd=ROOT, timeout=120)
-    from common import steptimer
+    from bench import steptimer
     record = steptimer.read(str(tmp_path / "t"))
     assert len(record["step_end"]) == 5 and 0.05 < record["peak_rss_gb"] < 2.5
 

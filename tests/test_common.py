@@ -5,12 +5,11 @@ import json
 import pytest
 import torch
 
-from common.augment import BatchTransform, channel_stats
+from common.batches import BatchTransform, channel_stats, tensor_loader
 from common.checkpoint import latest_checkpoint, load_weights, save_weights, strip_wrapper_prefixes
 from common.errors import UserError
-from common.loader import tensor_loader
 from common.optim import build_optimizer, build_scheduler
-from common.record import log_line
+from common.tracking import log_line
 
 
 def images(n=16, seed=0):
@@ -176,7 +175,7 @@ def test_channels_last_batches():
 
 
 def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
-    from common.gpu import process_peak_memory
+    from common.parallel import process_peak_memory
 
     class OnCPU:
         device = torch.device("cpu")

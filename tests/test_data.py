@@ -20,6 +20,7 @@ import pyarrow.parquet
 import pytest
 import torch
 
+from bench.tools import write_cifar_pickles
 from common import data as data_module
 from common.data import ImageData, load_image_data, make_synthetic
 from common.errors import UserError
@@ -81,8 +82,8 @@ def formats(source, tmp_path_factory) -> dict[str, Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         splits[split].to_parquet(path)
     splits.save_to_disk(root / "save_to_disk")
-    data_module.write_cifar_pickles(root / "cifar-10-batches-py", source, cifar100=False)
-    data_module.write_cifar_pickles(root / "c100" / "cifar-100-python", source, cifar100=True)
+    write_cifar_pickles(root / "cifar-10-batches-py", source, cifar100=False)
+    write_cifar_pickles(root / "c100" / "cifar-100-python", source, cifar100=True)
     (root / "tar").mkdir()
     with tarfile.open(root / "tar" / "cifar-10-python.tar.gz", "w:gz") as tar:
         tar.add(root / "cifar-10-batches-py", arcname="cifar-10-batches-py")

@@ -1,7 +1,7 @@
 """Run a training script and record when each of its optimizer steps ends: the benchmark's clock.
 
-    python -m common.steptimer TIMES scripts/train_single.py ARGS...
-    accelerate launch ... -m common.steptimer TIMES scripts/train_ddp.py ARGS...
+    python -m bench.steptimer TIMES scripts/train_single.py ARGS...
+    accelerate launch ... -m bench.steptimer TIMES scripts/train_ddp.py ARGS...
 
 The scripts log one time per epoch, not per step. A global optimizer hook
 (torch.optim.optimizer.register_optimizer_step_post_hook), installed before the script starts, takes
@@ -53,7 +53,7 @@ def _write(path: str, steps: list[float], scaler_updates: list[float]) -> None:
 
 def main() -> None:
     if len(sys.argv) < 3:
-        raise SystemExit("usage: python -m common.steptimer TIMES SCRIPT [ARGS...]")
+        raise SystemExit("usage: python -m bench.steptimer TIMES SCRIPT [ARGS...]")
     times_file, script = sys.argv[1], sys.argv[2]
     steps: list[float] = []
     register_optimizer_step_post_hook(lambda *_: steps.append(time.perf_counter()))

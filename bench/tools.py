@@ -9,6 +9,7 @@ best of its repeats, as a peak is.
 
 import contextlib
 import os
+import pickle
 import platform
 import signal
 import subprocess
@@ -25,13 +26,12 @@ import torchvision
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.augment import BatchTransform, channel_stats
-from common.data import make_synthetic, write_cifar_pickles
-from common.gpu import GB, synchronize
-from common.loader import tensor_loader
+from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.checkpoint import versions
+from common.data import ImageData, make_synthetic
 from common.models import build_model
 from common.optim import build_optimizer
-from common.record import versions
+from common.parallel import GB
 
 # ----------------------------------------------------------------------------------- the machine
 
@@ -82,6 +82,12 @@ def describe_machine(machine: dict) -> str:
 
 # ------------------------------------------------------------------------- launched runs, watched
 
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a clock read next measures it; a no-op on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _gpu_memory_used() -> list[int]:
     """Bytes in use on each GPU according to nvidia-smi (every process, CUDA contexts included)."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -94,7 +100,7 @@ class PeakMemory:
     (the CUDA context, about 0.5 GB, included), sampled from outside every ``interval`` seconds.
 
     Without GPUs nothing is sampled: each training process reports its own peak resident memory
-    when it exits (common.steptimer), exact and without a watcher taking CPU time from the run.
+    when it exits (bench.steptimer), exact and without a watcher taking CPU time from the run.
     """
 
     def __init__(self, gpus: int, interval: float = 0.5):
@@ -249,8 +255,37 @@ def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: 
 
 # ---------------------------------------------------------------------------- input pipelines
 
+def write_cifar_pickles(folder: Path, source: ImageData, cifar100: bool = False) -> None:
+    """``source`` in torchvision's cifar-10-batches-py layout (5 training pickles, a test pickle,
+    batches.meta) or, with ``cifar100``, its cifar-100-python layout: the format common.data reads,
+    written for the torchvision pipeline below and for the tests."""
+    folder.mkdir(parents=True)
+
+    def batch(images, labels, name):
+        key = "fine_labels" if cifar100 else "labels"
+        entry = {"batch_label": name, key: labels.tolist(), "data": images.reshape(len(images), -1).numpy(),
+                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
+        if cifar100:
+            entry["coarse_labels"] = [0] * len(labels)
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+
+    if cifar100:
+        batch(source.train_images, source.train_labels, "train")
+        batch(source.test_images, source.test_labels, "test")
+        meta = ("meta", {"fine_label_names": source.classes, "coarse_label_names": ["animal"]})
+    else:
+        chunks = zip(source.train_images.tensor_split(5), source.train_labels.tensor_split(5))
+        for i, (images, labels) in enumerate(chunks, start=1):
+            batch(images, labels, f"data_batch_{i}")
+        batch(source.test_images, source.test_labels, "test_batch")
+        meta = ("batches.meta", {"num_cases_per_batch": 5, "label_names": source.classes, "num_vis": 3072})
+    with open(folder / meta[0], "wb") as f:
+        pickle.dump(meta[1], f, protocol=2)
+
+
 class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10 on a cifar-10-batches-py folder written by common.data.write_cifar_pickles.
+    """torchvision's CIFAR10 on a cifar-10-batches-py folder written by write_cifar_pickles.
 
     The class checks the files against the MD5 sums of the real archive; None makes
     torchvision.datasets.utils.check_integrity check only that each file exists.
