@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Extra flags for the script a target runs (demo, ddp, bench), after the target's own: the last
+# value of a flag wins, e.g. make demo ARGS="--epochs 2 --model resnet32".
+ARGS ?=
 
 .PHONY: demo test ddp bench diffs clean
 
@@ -15,29 +18,30 @@ $(BIN)/.installed: requirements.txt pyproject.toml
 
 # A CIFAR-sized ResNet-20 on the synthetic dataset: no download, about two minutes on 2 CPU cores.
 demo: $(BIN)/.installed
-	$(BIN)/python scripts/train_single.py --dataset synthetic --model resnet20 --epochs 8
+	$(BIN)/python scripts/train_single.py --dataset synthetic --model resnet20 --epochs 8 $(ARGS)
 
 # DDP that survives a crashed worker: torchrun restarts the job (up to 3 times) and every process
 # resumes from the newest checkpoint by itself. The restart needs the c10d rendezvous, and the
 # launcher must not share its TCP store with it, or the restarted job hangs.
-# make ddp NPROC=4 ARGS="--model resnet50" OUTPUT_DIR=runs/my-run
+# Defaults: ResNet-20 on the synthetic dataset; real data and models through ARGS:
+# make ddp NPROC=4 ARGS="--dataset cifar10 --model resnet50" OUTPUT_DIR=runs/my-run
 NPROC ?= 2
 CONFIG ?= accelerate_configs/4gpu.yaml
 OUTPUT_DIR ?= runs/train_ddp-$(shell date +%Y%m%d-%H%M%S)
-ARGS ?= --dataset synthetic --model resnet20 --checkpoint-every 50
 ddp: $(BIN)/.installed
 	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/accelerate launch --config_file $(CONFIG) \
 		--num_processes $(NPROC) --max_restarts 3 --rdzv_backend c10d \
-		scripts/train_ddp.py --output-dir $(OUTPUT_DIR) $(ARGS)
+		scripts/train_ddp.py --output-dir $(OUTPUT_DIR) --dataset synthetic --model resnet20 \
+		--checkpoint-every 50 $(ARGS)
 
-# The strategies this machine can run and the speed targets, measured side by side (README).
+# The strategies this machine can run and the speed targets, measured side by side (docs/benchmarks.md).
 bench: $(BIN)/.installed
 	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
-# The lessons as diffs: each strategy script against the script it builds on (see README).
+# The lessons as diffs: each strategy script against the script it builds on (docs/diffs/).
 diffs: $(BIN)/.installed
 	$(BIN)/python docs/make_diffs.py
 
