@@ -175,7 +175,7 @@ def memory_report(devices: list[torch.device]) -> dict[str, list[float]]:
     return report
 
 
-def process_peak_memory(accelerator) -> dict[str, list[float]]:
+def peak_memory(accelerator) -> dict[str, list[float]]:
     """Peak memory allocated on each process's GPU since the last call, in GB, one value per
     process (gathered, so every process must call it); empty on a CPU."""
     if accelerator.device.type != "cuda":

@@ -1,10 +1,10 @@
-"""Write docs/diffs/*.diff and the collapsible diffs in README.md: `make diffs`.
+"""Write docs/diffs/*.diff, each strategy script as a diff against the script it builds on: `make diffs`.
 
-Each strategy script is read as the diff against the script it builds on; tests/test_diffs.py fails
-when a script changes and this has not been run.
+tests/test_diffs.py fails when a script changes and this has not been run, and holds each diff to its
+size: the lesson, and nothing else.
 """
 
-import re
+import difflib
 import subprocess
 from pathlib import Path
 
@@ -21,23 +21,20 @@ def unified_diff(base: str, script: str) -> str:
     return done.stdout
 
 
-def readme_with_diffs(readme: str, diffs: dict[str, str]) -> str:
-    """Replace the text between <!-- diff:NAME --> and <!-- /diff:NAME --> with that diff."""
-    for script, diff in diffs.items():
-        block = f"<!-- diff:{script} -->\n```diff\n{diff}```\n<!-- /diff:{script} -->"
-        readme = re.sub(rf"<!-- diff:{script} -->.*?<!-- /diff:{script} -->", lambda _: block, readme,
-                        flags=re.DOTALL)
-    return readme
+def changed_code_lines(base: str, script: str) -> int:
+    """Lines added or removed after the module docstrings: the size of the lesson in code."""
+    def code(name: str) -> list[str]:
+        text = (ROOT / "scripts" / f"{name}.py").read_text()
+        return text[text.index('"""', 3) + 3:].splitlines()
+    diff = difflib.unified_diff(code(base), code(script), lineterm="", n=0)
+    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
 
 def main():
-    diffs = {script: unified_diff(base, script) for script, base in BASES.items()}
     (ROOT / "docs" / "diffs").mkdir(parents=True, exist_ok=True)
-    for script, diff in diffs.items():
-        (ROOT / "docs" / "diffs" / f"{script}.diff").write_text(diff)
-    readme = ROOT / "README.md"
-    if readme.exists():
-        readme.write_text(readme_with_diffs(readme.read_text(), diffs))
+    for script, base in BASES.items():
+        (ROOT / "docs" / "diffs" / f"{script}.diff").write_text(unified_diff(base, script))
+        print(f"docs/diffs/{script}.diff: {changed_code_lines(base, script)} code lines changed from {base}.py")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from common.parallel import (
     check_gpus_per_node,
     check_world_size,
     choose_mixed_precision,
-    process_peak_memory,
+    peak_memory,
     stop_if_not_finite,
 )
 from common.tracking import StepLogger, log_line, start_tracking, track
@@ -75,8 +75,7 @@ def parse_args(argv=None):
                         help="seconds a process waits for the others in a collective before the job fails; "
                              "a stalled process ends the job instead of hanging it (default: %(default)s)")
     parser.add_argument("--mixed-precision", choices=("fp16", "bf16"), default=None,  # AMP: the 16-bit format
-                        help="16-bit format under autocast (default: the Accelerate config's, else bf16 where "
-                             "the hardware has it, else fp16)")
+                        help="16-bit format (default: the Accelerate config's, else bf16; fp16 on pre-Ampere GPUs)")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -185,8 +184,8 @@ def main(args):
             accelerator.backward(loss)
             if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
                 accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()  # AMP: fp16 skips the step on inf/NaN gradients; the schedule then waits
-            skipped_steps += accelerator.optimizer_step_was_skipped  # AMP: counted for the log line
+            optimizer.step()
+            skipped_steps += accelerator.optimizer_step_was_skipped  # AMP: fp16 skips a step that overflowed
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             progress.step += 1
@@ -215,7 +214,7 @@ def main(args):
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
         if accelerator.scaler is not None:  # AMP: fp16 only
             metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped_steps)
-        metrics.update(process_peak_memory(accelerator))  # GPUs: each process's peak this epoch
+        metrics.update(peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)

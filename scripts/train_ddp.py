@@ -53,13 +53,7 @@ from common.errors import UserError
 from common.evaluation import evaluate
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.parallel import (
-    check_batch_split,
-    check_gpus_per_node,
-    check_world_size,
-    process_peak_memory,
-    stop_if_not_finite,
-)
+from common.parallel import check_batch_split, check_gpus_per_node, check_world_size, peak_memory, stop_if_not_finite
 from common.tracking import StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
@@ -205,7 +199,7 @@ def main(args):
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
                    "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
-        metrics.update(process_peak_memory(accelerator))  # GPUs: each process's peak this epoch
+        metrics.update(peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:
             write_metrics(output_dir, progress.history)

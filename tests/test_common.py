@@ -157,8 +157,9 @@ def test_log_line_is_one_greppable_line():
 
 @pytest.mark.parametrize("schedule", ["onecycle", "step"])
 def test_warmup_as_long_as_the_run_still_works(schedule):
-    seen = lrs(schedule, steps=4, per_epoch=4, warmup=1)  # --epochs 1 with the default warm-up
-    assert len(seen) == 4 and all(0 < lr <= 0.1 for lr in seen)
+    for steps in (1, 2, 3, 4):  # --epochs 1 with the default warm-up, down to a 1-step epoch
+        seen = lrs(schedule, steps=steps, per_epoch=steps, warmup=1)
+        assert len(seen) == steps and all(0 < lr <= 0.1 for lr in seen), (steps, seen)
 
 
 def test_log_line_appends_the_optional_fields_in_a_fixed_order():
@@ -175,12 +176,12 @@ def test_channels_last_batches():
 
 
 def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
-    from common.parallel import process_peak_memory
+    from common.parallel import peak_memory
 
     class OnCPU:
         device = torch.device("cpu")
 
-    assert process_peak_memory(OnCPU()) == {}
+    assert peak_memory(OnCPU()) == {}
 
     class OnGPU:  # two processes, as gather would return them
         device = torch.device("cuda", 0)
@@ -191,4 +192,4 @@ def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 1.5e9)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     monkeypatch.setattr(torch, "tensor", lambda values, device=None: torch.as_tensor(values))
-    assert process_peak_memory(OnGPU()) == {"gpu_mem_peak_gb": [1.5, 3.0]}
+    assert peak_memory(OnGPU()) == {"gpu_mem_peak_gb": [1.5, 3.0]}

@@ -1,4 +1,5 @@
-"""The diffs in docs/diffs/ are the lesson: they must match the scripts, and every change is tagged."""
+"""The diffs in docs/diffs/ are the lesson: they match the scripts, teach their strategy and nothing
+else (held to a size), and every change says why with a tag."""
 
 import re
 import sys
@@ -10,26 +11,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import make_diffs  # noqa: E402 - docs/ is not a package
 
-PAIRS = {"train_dp": ("train_single", "DP"), "train_ddp": ("train_single", "DDP"), "train_amp": ("train_ddp", "AMP")}
-
-
-def current_diff(base: str, script: str) -> str:
-    return make_diffs.unified_diff(base, script)
+# script: (the script it builds on, its tag, the most code lines its diff may change)
+PAIRS = {"train_dp": ("train_single", "DP", 45), "train_ddp": ("train_single", "DDP", 35),
+         "train_amp": ("train_ddp", "AMP", 25)}
+TAGS = ("DP", "DDP", "AMP")
 
 
 @pytest.mark.parametrize("script", PAIRS)
 def test_diff_file_is_up_to_date(script):
-    base, _ = PAIRS[script]
+    base, _, _ = PAIRS[script]
     saved = (ROOT / "docs" / "diffs" / f"{script}.diff").read_text()
-    assert saved == current_diff(base, script), f"docs/diffs/{script}.diff is stale: run `make diffs`"
+    assert saved == make_diffs.unified_diff(base, script), f"docs/diffs/{script}.diff is stale: run `make diffs`"
 
 
-def test_readme_shows_the_current_diffs():
-    readme = (ROOT / "README.md").read_text()
-    diffs = {script: current_diff(base, script) for script, (base, _) in PAIRS.items()}
-    for script in PAIRS:
-        assert f"<!-- diff:{script} -->" in readme, f"README.md has no place for the {script} diff"
-    assert make_diffs.readme_with_diffs(readme, diffs) == readme, "README.md diffs are stale: run `make diffs`"
+@pytest.mark.parametrize("script", PAIRS)
+def test_each_diff_is_one_lesson_in_size(script):
+    base, _, most = PAIRS[script]
+    changed = make_diffs.changed_code_lines(base, script)
+    assert changed <= most, f"{script}.py changes {changed} code lines of {base}.py; the lesson fits in {most}"
+
+
+def test_changed_lines_are_counted_after_the_docstring(tmp_path, monkeypatch):
+    for name, body in {"a": '"""A."""\n\nx = 1\ny = 2\n', "b": '"""B,\nlonger."""\n\nx = 1\ny = 3\nz = 4\n'}.items():
+        (tmp_path / "scripts").mkdir(exist_ok=True)
+        (tmp_path / "scripts" / f"{name}.py").write_text(body)
+    monkeypatch.setattr(make_diffs, "ROOT", tmp_path)
+    assert make_diffs.changed_code_lines("a", "b") == 3  # -y = 2, +y = 3, +z = 4
+
+
+def is_import(line: str) -> bool:
+    """An import statement, or a line of a parenthesised one: `    name,` or `)`."""
+    return line.startswith(("import ", "from ")) or bool(re.fullmatch(r"\s+\w+,|\)", line))
 
 
 def added_blocks(diff: str):
@@ -47,9 +59,18 @@ def added_blocks(diff: str):
 @pytest.mark.parametrize("script", PAIRS)
 def test_every_change_carries_its_reason(script):
     """Each block of added code says why, with a '# DDP: ...' style tag (imports are exempt)."""
-    base, tag = PAIRS[script]
-    untagged = [block for block in added_blocks(current_diff(base, script))
-                if not any(re.search(rf"#.*\b{tag}\b", line) for line in block)
-                and not all(not line.strip() or line.startswith(("import ", "from ")) for line in block)]
-    assert not untagged, f"blocks without a '# {tag}:' reason in {script}.diff:\n" + "\n\n".join(
+    base, tag, _ = PAIRS[script]
+    untagged = [block for block in added_blocks(make_diffs.unified_diff(base, script))
+                if not any(re.search(rf"# {tag}: \S", line) for line in block)
+                and not all(not line.strip() or is_import(line) for line in block)]
+    assert not untagged, f"blocks without a '# {tag}: reason' in {script}.diff:\n" + "\n\n".join(
         "\n".join(block) for block in untagged)
+
+
+@pytest.mark.parametrize("script", ["train_single", *PAIRS])
+def test_no_tag_is_bare(script):
+    """A tag always gives its reason after a colon: `# DDP: one process per GPU`, never `# DDP`."""
+    for number, line in enumerate((ROOT / "scripts" / f"{script}.py").read_text().splitlines(), start=1):
+        for tag in re.findall(rf"#\s*({'|'.join(TAGS)})\b(?!: \S)", line):
+            if '"' not in line.split("#")[0] or "tagged" not in line:  # the docstring names the tags
+                pytest.fail(f"scripts/{script}.py:{number}: bare '# {tag}' tag: {line.strip()}")

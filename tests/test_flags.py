@@ -1,0 +1,88 @@
+"""The same flag means the same thing in every script: same default, same help, same effect.
+
+Each script's own parser is read (captured as its parse_args builds it), so a flag redefined in
+one script, or given another default or help there, fails here.
+"""
+
+import argparse
+import importlib.util
+
+import pytest
+from helpers import ROOT
+
+from common.cli import Parser
+
+TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp"]
+# What each script adds to the shared flags: its strategy's own, and nothing else.
+OWN_FLAGS = {"train_single": set(), "train_dp": {"--loss-in-replicas"}, "train_ddp": {"--sync-bn", "--dist-timeout"},
+             "train_amp": {"--sync-bn", "--dist-timeout", "--mixed-precision"}}
+
+
+PARSE = Parser.parse_args
+
+
+def parser_of(script: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser the script's parse_args builds, as it parses the defaults."""
+    spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports and definitions only: main() runs under __main__
+    built = []
+    monkeypatch.setattr(Parser, "parse_args", lambda self, *a, **k: built.append(self) or PARSE(self, *a, **k))
+    module.parse_args(["--weights", "model.safetensors"] if script == "evaluate" else [])
+    return built[-1]
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    """Each option string with everything that decides its meaning."""
+    return {option: (type(action).__name__, action.dest, action.default, action.type, action.choices, action.nargs,
+                     action.const, action.metavar, action.help)
+            for action in parser._actions for option in action.option_strings}
+
+
+@pytest.fixture(scope="module")
+def parsers():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return {script: flags(parser_of(script, monkeypatch)) for script in [*TRAINING, "evaluate"]}
+
+
+@pytest.mark.parametrize("script", TRAINING[1:])
+def test_shared_flags_are_identical_in_every_training_script(parsers, script):
+    reference, theirs = parsers["train_single"], parsers[script]
+    for option in set(reference) & set(theirs):
+        assert theirs[option] == reference[option], f"{option} differs between train_single.py and {script}.py"
+
+
+@pytest.mark.parametrize("script", TRAINING)
+def test_a_script_adds_only_its_strategy_flags(parsers, script):
+    shared = set(parsers["train_single"])
+    assert set(parsers[script]) - shared == OWN_FLAGS[script]
+    assert shared <= set(parsers[script]), f"{script}.py lacks shared flags: {shared - set(parsers[script])}"
+
+
+def test_flags_added_by_two_scripts_agree(parsers):
+    for option in OWN_FLAGS["train_ddp"]:  # train_amp.py is train_ddp.py + AMP: its DDP flags are DDP's
+        assert parsers["train_amp"][option] == parsers["train_ddp"][option], option
+
+
+def test_evaluate_reads_the_data_with_the_training_flags(parsers):
+    data_flags = ["--dataset", "--data-dir", "--cache-dir", "--synthetic-train-size", "--synthetic-test-size"]
+    for option in data_flags:
+        assert parsers["evaluate"][option] == parsers["train_single"][option], option
+    # Flags of evaluate.py that training scripts also have mean the same there; --model is the same
+    # name, read from the weights when not given.
+    for option in set(parsers["evaluate"]) & set(parsers["train_single"]) - {"-h", "--help", "--model", *data_flags}:
+        assert parsers["evaluate"][option] == parsers["train_single"][option], option
+
+
+def test_a_flag_that_differs_is_caught(parsers, monkeypatch):
+    """The comparison sees a changed default (a negative control for the tests above)."""
+    original = argparse.ArgumentParser.add_argument
+
+    def other_default(self, *names, **kwargs):
+        if "--dist-timeout" in names:
+            kwargs["default"] = 30
+        return original(self, *names, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", other_default)
+    changed = flags(parser_of("train_amp", monkeypatch))
+    assert changed["--dist-timeout"] != parsers["train_ddp"]["--dist-timeout"]
