@@ -1,5 +1,5 @@
 """Bad input: one line naming the wrong value and what to do, a non-zero exit within seconds, and
-nothing lost. The same list is the table "Bad input" in README.md."""
+nothing lost. The same list is the table of docs/bad-input.md."""
 
 import errno
 import hashlib
@@ -67,6 +67,14 @@ CASES = {
     "negative batch size": (python("train_single.py"), [*SMALL, "--batch-size", "-8"], None,
                             "error: --batch-size -8: must be 1 or more"),
     "epochs 0": (python("train_single.py"), [*SMALL, "--epochs", "0"], None, "error: --epochs 0: must be 1 or more"),
+    "learning rate not a number": (python("train_ddp.py"), [*SMALL, "--lr", "nan"], None,
+                                   "error: --lr nan: must be a positive number"),
+    "--clip-grad 0": (python("train_amp.py"), [*SMALL, "--clip-grad", "0"], None,
+                      "error: --clip-grad 0.0: must be a positive number"),
+    "--reference-batch-size 0": (python("train_dp.py"), [*SMALL, "--reference-batch-size", "0"], None,
+                                 "error: --reference-batch-size 0: must be 1 or more"),
+    "--eval-batch-size 0": (python("evaluate.py"), ["--weights", "{tmp}/model.safetensors", "--eval-batch-size", "0"],
+                            None, "error: --eval-batch-size 0: must be 1 or more"),
     "batch size that does not divide": (accelerate() + [str(ROOT / "scripts" / "train_ddp.py")],
                                         [*SMALL, "--batch-size", "63"], None,
                                         "error: --batch-size 63 does not divide by 2 processes: use 62 or 64"),

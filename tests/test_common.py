@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from common.batches import BatchTransform, channel_stats, tensor_loader
-from common.checkpoint import latest_checkpoint, load_weights, save_weights, strip_wrapper_prefixes
+from common.checkpoint import (
+    atomic_write,
+    latest_checkpoint,
+    load_weights,
+    read_metadata,
+    save_weights,
+    strip_wrapper_prefixes,
+)
 from common.errors import UserError
 from common.optim import build_optimizer, build_scheduler
 from common.tracking import log_line
@@ -121,12 +128,28 @@ def test_prefixes_of_wrapped_models_are_stripped(tmp_path):
         assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items()), name
 
 
-def test_save_weights_writes_a_plain_safetensors_file(tmp_path):
+def test_save_weights_writes_a_plain_safetensors_file_with_its_metadata(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(2, 3))
-    save_weights(torch.nn.DataParallel(model).module, tmp_path / "model.safetensors", {"model": "x"})
+    metadata = {"model": "resnet20", "classes": ["cat", "dog"], "image_size": [32, 32], "step": 48,
+                "normalization": {"mean": [125.3, 123.0, 113.9], "std": [63.0, 62.1, 66.7]}}
+    save_weights(torch.nn.DataParallel(model).module, tmp_path / "model.safetensors", metadata)
     loaded = load_weights(tmp_path / "model.safetensors")
     assert set(loaded) == {"0.weight", "0.bias"}
+    assert read_metadata(tmp_path / "model.safetensors") == metadata  # the values, their types too
+    assert read_metadata(tmp_path / "other.pt") == {}
     assert not list(tmp_path.glob(".tmp-*"))  # nothing left behind
+
+
+def test_atomic_write_leaves_the_old_file_or_the_whole_new_one(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("old")
+    with pytest.raises(OSError), atomic_write(path) as f:
+        f.write(b"half of the new")
+        raise OSError("No space left on device")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    with atomic_write(path) as f:
+        f.write(b"new")
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
 def test_unreadable_weights_give_one_line(tmp_path):
