@@ -41,6 +41,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--model", default="resnet18",
                        help=f"one of {', '.join(model_names())}, or torchvision:NAME for any torchvision "
                             "classifier with its ImageNet stem (default: %(default)s)")
+    train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                       help="NHWC memory format for the model and its batches: faster convolutions on tensor "
+                            "cores and in oneDNN on CPUs (default: on)")
     train.add_argument("--epochs", type=int, default=15, help="passes over the training split (default: %(default)s)")
     train.add_argument("--batch-size", type=int, default=128,
                        help="GLOBAL batch: images per optimizer step summed over all devices and processes; "
@@ -55,6 +58,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                        help="the global batch that --lr is tuned for (default: %(default)s)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, Nesterov (default: %(default)s)")
     train.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay (default: %(default)s)")
+    train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
+                       help="clip the global gradient norm (all parameters, all processes) to MAX_NORM before "
+                            "each step (default: no clipping)")
     train.add_argument("--label-smoothing", type=float, default=0.0,
                        help="label smoothing of the cross-entropy, 0 for none (default: %(default)s)")
     train.add_argument("--schedule", default="onecycle", choices=("onecycle", "step"),
@@ -66,12 +72,6 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--warmup-epochs", type=float, default=1.0,
                        help="linear warm-up length in epochs, for both schedules; 0 for none "
                             "(default: %(default)s)")
-    train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
-                       help="clip the global gradient norm (all parameters, all processes) to MAX_NORM before "
-                            "each step (default: no clipping)")
-    train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                       help="NHWC memory format for the model and its batches: faster convolutions on tensor "
-                            "cores and in oneDNN on CPUs (default: on)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initialisation, shuffling and augmentation (default: %(default)s)")
     train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",

@@ -27,7 +27,8 @@ SMALL = [*SMALL_DATA, "--model", "resnet20", "--batch-size", "64"]
 # Agreement: BatchNorm frozen (tests/frozen_bn.py) and no augmentation, so the only differences
 # left are DDP's own: the batch split across processes and the all-reduced gradients. A small lr
 # keeps an unnormalised ResNet far from the chaotic regime where rounding differences grow.
-AGREE = [*SMALL, "--no-augment", "--lr", "0.001", "--epochs", "1", "--max-steps", "5"]
+AGREE = [*SMALL, "--no-augment", "--lr", "0.001", "--reference-batch-size", "64", "--epochs", "1",
+         "--max-steps", "5"]
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 
 
@@ -64,9 +65,9 @@ def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher):
     out = tmp_path / "run"
     # --compile: Accelerate wraps the DDP model in torch.compile; aot_eager traces it as inductor would.
     compiled = ["--compile", "aot_eager"] if "--compile" in launcher else []
-    done = _run_frozen(TORCHRUN if launcher == "torchrun" else ACCELERATE, "train_ddp.py", out, "--no-scale-lr",
+    done = _run_frozen(TORCHRUN if launcher == "torchrun" else ACCELERATE, "train_ddp.py", out,
                        *compiled, env_extra={"TORCH_LOGS": "graph_code"} if compiled else None)
-    assert "on 2 x cpu" in done.stdout and "global batch 64 = 2 x 32" in done.stdout
+    assert "on 2 x cpu" in done.stdout and "batch 64 (32 per device)" in done.stdout
     assert ("TRACED GRAPH" in done.stderr) == bool(compiled)
     ddp = weights(out)
     assert max_difference(ddp, one_process) < 1e-5
@@ -99,7 +100,7 @@ def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
     nodes = [subprocess.Popen(
         [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "2",
          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, "--no-scale-lr", "--output-dir", str(out)],
+         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, "--output-dir", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
@@ -110,7 +111,7 @@ def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
 def test_a_different_global_batch_does_not_match(one_process, tmp_path):
     """Negative control: the agreement tests can fail."""
     out = tmp_path / "run"
-    _run_frozen(ACCELERATE, "train_ddp.py", out, "--no-scale-lr", "--batch-size", "32")
+    _run_frozen(ACCELERATE, "train_ddp.py", out, "--batch-size", "32")
     assert max_difference(weights(out), one_process) > 1e-4
 
 
