@@ -9,7 +9,7 @@ the per-step times without a line of the scripts changing. Each process writes, 
 TIMES.<rank> (JSON): ``step_end``, the time.perf_counter() at the end of each step, and
 ``peak_rss_gb``, its peak resident memory (VmHWM), measured by the process itself, so no watcher
 takes CPU time from the run. The scripts wait for the device at every step (the NaN check,
-common/guard.py), so on a GPU these CPU times follow the device. With fp16, GradScaler skips the
+common/parallel.py), so on a GPU these CPU times follow the device. With fp16, GradScaler skips the
 optimizer step when the gradients overflow but updates its scale at every step, so a run that uses
 a scaler is timed by its scale updates instead.
 """

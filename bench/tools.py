@@ -196,7 +196,7 @@ class PlainLoop:
             loss.backward()
             self.optimizer.step()
             # Waits for the device at every step, so each step's time is the device's; the scripts
-            # wait once per step too, in their NaN check after the forward (common/guard.py).
+            # wait once per step too, in their NaN check after the forward (common/parallel.py).
             loss.item()
             self.steps_done += 1
             self.step_seconds.append(time.perf_counter() - tick)
@@ -297,7 +297,7 @@ class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
 
 
 class OurPipeline:
-    """common/loader.py's tensor_loader and common/augment.py's BatchTransform, as the scripts use
+    """common/batches.py's tensor_loader and BatchTransform, as the scripts use
     them: the uint8 images on the device, crop, flip and normalisation a whole batch at a time."""
 
     def __init__(self, images, labels, batch_size: int, device: torch.device):

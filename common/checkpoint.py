@@ -5,6 +5,7 @@ process killed while writing leaves the previous file or checkpoint intact, wher
 would leave a half-written checkpoint that the next --resume would pick.
 """
 
+import errno
 import json
 import os
 import platform
@@ -12,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -23,7 +23,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_file
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -213,15 +213,17 @@ def atomic_write(path: Path):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    # One temporary name per file: a leftover of a killed writer is overwritten, not piled up. Each
+    # file has one writer at a time (the main process; the data cache holds a file lock).
+    partial = path.with_name(f".tmp-{path.name}")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(partial, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
     except BaseException:
-        Path(partial).unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)  # the rename itself reaches the disk
 
@@ -235,6 +237,9 @@ def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:  # some network and FUSE filesystems cannot sync a folder; their renames stand
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -302,21 +307,52 @@ def write_json(path: Path, obj) -> None:
         f.write((json.dumps(obj, indent=2) + "\n").encode())
 
 
-def check_resume_config(checkpoint: Path, flags: dict, resumable: set[str]) -> None:
-    """A resumed run must be the same experiment: the same ``flags`` (dest: value) as the run the
-    checkpoint belongs to (its config.json), except those in ``resumable``."""
+# What makes a run the experiment it is, beyond its flags: a resumed run must agree on these too (the
+# Accelerate config may set the precision, a moved --data-dir must hold the same data).
+SAME_ON_RESUME = ("global_batch_size", "classes", "image_size", "normalization", "train_size")
+
+
+def _precision(config: dict) -> str:
+    """The mixed precision a run trains in: train_amp.py records it; earlier versions of train_dp.py
+    had it as a flag; every other run is fp32 ("no")."""
+    return config.get("mixed_precision") or config.get("args", {}).get("mixed_precision") or "no"
+
+
+def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> None:
+    """A resumed run must be the same experiment as the run the checkpoint belongs to (its
+    config.json): the same flags (``config["args"]``, dest: value) except those in ``resumable``, the
+    same mixed precision, and the same SAME_ON_RESUME values where both runs record them."""
     output_dir = Path(checkpoint).parent.parent
     try:
-        saved = json.loads((output_dir / "config.json").read_text())["args"]
-    except (OSError, ValueError, KeyError):
+        saved = json.loads((output_dir / "config.json").read_text())
+        saved_flags = saved["args"]
+    except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the run's flags "
                         f"are unknown; start a new run") from None
-    for key, value in flags.items():
-        if key not in resumable and key in saved and saved[key] != value:
+    for key, value in config["args"].items():
+        if key not in resumable and key in saved_flags and saved_flags[key] != value:
             flag = "--" + key.replace("_", "-")
-            now, then = ("not set" if v is None else repr(v) for v in (value, saved[key]))
+            now, then = ("not set" if v is None else repr(v) for v in (value, saved_flags[key]))
             raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
                             f"resume with the same {flag} or start a new run")
+    if _precision(saved) != _precision(config):
+        raise UserError(f"--resume: the run in {output_dir} trained in mixed precision {_precision(saved)} but this "
+                        f"one would train in {_precision(config)}; resume with the script and precision of that "
+                        f"run, or start a new run")
+    for key in SAME_ON_RESUME:
+        if key in saved and key in config and saved[key] != config[key]:
+            raise UserError(f"--resume: this run's {key} would be {config[key]!r} but the run in {output_dir} "
+                            f"had {saved[key]!r}; resume with the data and the settings of that run, or start "
+                            f"a new run")
+
+
+def load_checkpoint(accelerator, checkpoint: Path) -> None:
+    """accelerator.load_state, with one line when the checkpoint does not fit this script."""
+    try:
+        accelerator.load_state(str(checkpoint))
+    except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met, one line and what to do
+        raise UserError(f"--resume: cannot load {checkpoint} ({first_line(error)}); it was written by another "
+                        f"script or version of it: resume with that one, or start a new run") from None
 
 
 def write_metrics(output_dir: Path, history: list[dict]) -> None:

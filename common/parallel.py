@@ -67,13 +67,18 @@ def choose_mixed_precision(requested: str | None) -> str:
     (CPUs; GPUs of compute capability 8.0 and newer) and fp16 on older GPUs, which only emulate bf16
     (torch.cuda.is_bf16_supported() says True on them). Call it before the Accelerator exists: it asks
     about this process's GPU (LOCAL_RANK) without creating a context on another one."""
-    precision = requested or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = requested or configured
     if precision not in ("fp16", "bf16"):
         gpu = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
         precision = "fp16" if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < (8, 0) else "bf16"
+        if configured != "no" and os.environ.get("RANK", "0") == "0":
+            print(f"warning: the Accelerate config's mixed_precision {configured} is not one train_amp.py trains "
+                  f"in; training in {precision} (--mixed-precision fp16 or bf16 to choose)", file=sys.stderr)
     if precision == "fp16" and not torch.cuda.is_available():
-        raise UserError("--mixed-precision fp16 needs a GPU (on a CPU Accelerate would train in fp32 without "
-                        "a word): use --mixed-precision bf16")
+        given = "--mixed-precision fp16" if requested else "mixed_precision fp16 (from the Accelerate config)"
+        raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a word): "
+                        f"use --mixed-precision bf16")
     return precision
 
 

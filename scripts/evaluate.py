@@ -49,7 +49,9 @@ def main(args):
     if model_name is None:
         raise UserError(f"--weights {args.weights} does not say which model it holds: add --model NAME")
 
-    accelerator = Accelerator(mixed_precision="no")
+    # The precision and memory format the run evaluated in (fp32 and NHWC for weights from elsewhere):
+    # the same arithmetic, the same accuracy.
+    accelerator = Accelerator(mixed_precision=stored.get("mixed_precision", "no"))
     data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                            args.synthetic_test_size)
     classes, image_size = stored.get("classes", data.classes), stored.get("image_size")
@@ -70,9 +72,9 @@ def main(args):
 
     # The training run's normalisation, else (weights from elsewhere) the training split's statistics.
     normalization = stored.get("normalization") or dict(zip(("mean", "std"), channel_stats(data.train_images)))
-    # channels_last, as the training scripts evaluate by default: the same arithmetic, the same accuracy.
-    transform = BatchTransform(normalization["mean"], normalization["std"], channels_last=True)
-    model = model.to(memory_format=torch.channels_last)
+    channels_last = stored.get("channels_last", False)
+    transform = BatchTransform(normalization["mean"], normalization["std"], channels_last=channels_last)
+    model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     device = accelerator.device
     loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device), args.eval_batch_size,
                            shuffle=False)
@@ -80,7 +82,7 @@ def main(args):
     result = evaluate(model, loader, transform, accelerator, len(data.classes))
 
     accelerator.print(f"test_acc={result.accuracy:.4f} ({result.correct}/{result.total}) "
-                      f"model={model_name} data={data.source}")
+                      f"model={model_name} precision={accelerator.mixed_precision} data={data.source}")
     width = max(len(name) for name in data.classes)
     for name, correct, total in zip(data.classes, result.class_correct, result.class_total):
         accuracy = correct / total if total else float("nan")

@@ -40,6 +40,7 @@ from common.batches import BatchTransform, channel_stats, tensor_loader
 from common.checkpoint import (
     TrainProgress,
     check_resume_config,
+    load_checkpoint,
     resolve_run,
     run_config,
     save_checkpoint,
@@ -64,6 +65,7 @@ from common.parallel import (
 from common.tracking import StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
+EVALUATION = ("classes", "image_size", "normalization", "mixed_precision")  # into model.safetensors
 RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
 
 
@@ -146,8 +148,8 @@ def main(args):
         "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, vars(args), RESUMABLE)
-        accelerator.load_state(str(checkpoint))
+        check_resume_config(checkpoint, config, RESUMABLE)
+        load_checkpoint(accelerator, checkpoint)
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
@@ -227,8 +229,8 @@ def main(args):
         # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
         # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "step": progress.step,
-                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
+                     {"model": args.model, "step": progress.step, "channels_last": args.channels_last,
+                      **{key: config[key] for key in EVALUATION if key in config}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

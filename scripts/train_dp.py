@@ -13,9 +13,8 @@ placement, the seeded loader, save_state/load_state and unwrap_model. The model 
 accelerator.prepare, so checkpoints and model.safetensors hold the plain model. Changes from
 train_single.py, each tagged "# DP:" (docs/diffs/train_dp.diff):
 
-- the GPUs are all that CUDA_VISIBLE_DEVICES leaves visible; with one or none there is nothing to
-  split and the script trains on that device without DataParallel (on a CPU it is train_single.py,
-  bit for bit);
+- the GPUs are all that CUDA_VISIBLE_DEVICES leaves visible; with one DataParallel has nothing to
+  split, and without any the script trains without it (on a CPU it is train_single.py, bit for bit);
 - --batch-size stays the GLOBAL batch, scattered in equal slices: it must divide by the GPU count;
 - a test copy between every pair of GPUs before training: broken peer-to-peer copies (IOMMU or
   PCIe ACS) gave the articles' NaN loss in the first epoch on two PCIe GPUs. On such a machine use
@@ -55,6 +54,7 @@ from common.batches import BatchTransform, channel_stats, tensor_loader
 from common.checkpoint import (
     TrainProgress,
     check_resume_config,
+    load_checkpoint,
     resolve_run,
     run_config,
     save_checkpoint,
@@ -79,6 +79,7 @@ from common.parallel import (
 from common.tracking import StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
+EVALUATION = ("classes", "image_size", "normalization", "mixed_precision")  # into model.safetensors
 RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change
 
 
@@ -152,8 +153,9 @@ def main(args):
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
-    # DP: wrapped after prepare, so save_state and unwrap_model keep the plain model (no module. prefix).
-    parallel_model = torch.nn.DataParallel(Replica(model, criterion), device_ids=devices)  # DP: no GPU: a no-op
+    parallel_model = Replica(model, criterion)  # DP: after prepare: save_state keeps the model, no module. prefix
+    if devices:  # DP: gathers on devices[0]; on a CPU (or --cpu) there is nothing to split
+        parallel_model = torch.nn.DataParallel(parallel_model, device_ids=devices)
 
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
@@ -166,8 +168,8 @@ def main(args):
         "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
         "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
     if checkpoint:
-        check_resume_config(checkpoint, vars(args), RESUMABLE)
-        accelerator.load_state(str(checkpoint))
+        check_resume_config(checkpoint, config, RESUMABLE)
+        load_checkpoint(accelerator, checkpoint)
         progress.history = [m for m in progress.history if m["epoch_complete"]]
         accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
     if accelerator.is_main_process and not (output_dir / "config.json").exists():
@@ -243,8 +245,8 @@ def main(args):
         # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
         # and the metadata is all that scripts/evaluate.py needs besides the test images.
         save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "step": progress.step,
-                      **{key: config[key] for key in ("classes", "image_size", "normalization")}})
+                     {"model": args.model, "step": progress.step, "channels_last": args.channels_last,
+                      **{key: config[key] for key in EVALUATION if key in config}})
     final = progress.history[-1] if progress.history else None
     accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
                       f"- weights in {output_dir / 'model.safetensors'}")

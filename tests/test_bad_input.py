@@ -95,6 +95,10 @@ CASES = {
                                                lambda t: make_run(t / "old", model="resnet32"),
                                                "error: --resume: --model is 'resnet20' but the run in {tmp}/old "
                                                "used 'resnet32'"),
+    "--resume a checkpoint that does not load": (python("train_single.py"),
+                                                 [*SMALL, "--output-dir", "{tmp}/old", "--resume"],
+                                                 lambda t: make_run(t / "old"),
+                                                 "error: --resume: cannot load {tmp}/old/checkpoints/step_00000004 ("),
     "--resume a folder that is no checkpoint": (python("train_single.py"), [*SMALL, "--resume", "{tmp}/old"],
                                                 lambda t: make_run(t / "old"),
                                                 "error: --resume {tmp}/old: not a checkpoint folder"),

@@ -1,6 +1,7 @@
 """The pieces of common/ that the scripts rely on: augmentation, loader, schedule, checkpoint files."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from common.batches import BatchTransform, channel_stats, tensor_loader
 from common.checkpoint import (
     atomic_write,
+    check_resume_config,
     latest_checkpoint,
     load_weights,
     read_metadata,
@@ -16,6 +18,7 @@ from common.checkpoint import (
 )
 from common.errors import UserError
 from common.optim import build_optimizer, build_scheduler
+from common.parallel import choose_mixed_precision
 from common.tracking import log_line
 
 
@@ -150,6 +153,57 @@ def test_atomic_write_leaves_the_old_file_or_the_whole_new_one(tmp_path):
     with atomic_write(path) as f:
         f.write(b"new")
     assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any file of the user's: shared runs/
+
+
+def write_run(folder, args, **derived):
+    (folder / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"args": args, **derived}))
+    return folder / "checkpoints" / "step_00000004"
+
+
+def test_resume_is_refused_for_another_experiment(tmp_path):
+    checkpoint = write_run(tmp_path / "bf16", {"model": "resnet20", "mixed_precision": None}, mixed_precision="bf16",
+                           classes=["a", "b"])
+    same = {"args": {"model": "resnet20", "mixed_precision": None, "output_dir": "x"}, "mixed_precision": "bf16",
+            "classes": ["a", "b"]}
+    check_resume_config(checkpoint, same, resumable={"output_dir"})
+    with pytest.raises(UserError, match="--model is 'resnet32' but the run in .* used 'resnet20'"):
+        check_resume_config(checkpoint, {**same, "args": {**same["args"], "model": "resnet32"}}, {"output_dir"})
+    # The precision the Accelerate config chose, not only the flag; a train_single run is fp32.
+    with pytest.raises(UserError, match="trained in mixed precision bf16 but this one would train in fp16"):
+        check_resume_config(checkpoint, {**same, "mixed_precision": "fp16"}, {"output_dir"})
+    with pytest.raises(UserError, match="trained in mixed precision bf16 but this one would train in no"):
+        check_resume_config(checkpoint, {"args": {"model": "resnet20"}, "classes": ["a", "b"]}, {"output_dir"})
+    with pytest.raises(UserError, match=r"classes would be \['a', 'c'\] but the run in .* had \['a', 'b'\]"):
+        check_resume_config(checkpoint, {**same, "classes": ["a", "c"]}, {"output_dir"})
+    # Earlier versions of train_dp.py recorded their precision as a flag.
+    old_dp = write_run(tmp_path / "dp", {"model": "resnet20", "mixed_precision": "fp16"})
+    with pytest.raises(UserError, match="trained in mixed precision fp16 but this one would train in no"):
+        check_resume_config(old_dp, {"args": {"model": "resnet20"}}, set())
+    check_resume_config(write_run(tmp_path / "fp32", {"model": "resnet20", "mixed_precision": "no"}),
+                        {"args": {"model": "resnet20"}}, set())
+
+
+def test_mixed_precision_follows_the_flag_then_the_config_then_the_hardware(monkeypatch, capsys):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert choose_mixed_precision(None) == "bf16" and choose_mixed_precision("bf16") == "bf16"  # a CPU has bf16
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(UserError, match=r"^error: mixed_precision fp16 \(from the Accelerate config\) needs a GPU"):
+        choose_mixed_precision(None)
+    assert choose_mixed_precision("bf16") == "bf16"  # the flag wins
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    assert choose_mixed_precision(None) == "bf16"
+    assert "the Accelerate config's mixed_precision fp8 is not one train_amp.py trains in" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPUs: by compute capability, not bf16 emulation
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {0: (8, 0), 1: (7, 5)}[index])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    for local_rank, expected in (("0", "bf16"), ("1", "fp16")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert choose_mixed_precision(None) == expected
 
 
 def test_unreadable_weights_give_one_line(tmp_path):

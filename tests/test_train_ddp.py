@@ -154,8 +154,9 @@ def test_amp_bf16_on_cpu_really_runs_in_bf16(ddp_run, tmp_path):
     difference = max_difference(weights(out), weights(ddp_run[0]))
     assert 1e-3 < difference < 1.0, difference  # bf16 rounding, not fp32 noise, not divergence
     assert json.loads((out / "config.json").read_text())["mixed_precision"] == "bf16"
-    evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *SMALL_DATA)  # bf16 weights, fp32 eval
-    assert evaluated.stdout.startswith("test_acc=")
+    # The weights say how the run evaluated (bf16, channels_last off): evaluate.py does the same.
+    evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *SMALL_DATA)
+    assert evaluated.stdout.startswith(f"test_acc={metrics['test_acc']:.4f} (") and " precision=bf16 " in evaluated.stdout
 
 
 # ---------------------------------------------------------------------------------- refusals
