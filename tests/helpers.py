@@ -35,6 +35,19 @@ def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), che
     return done
 
 
+def make(target, *variables, cwd, dry_run=False, env_extra=None, timeout=600):
+    """Run a target of the project's Makefile as the README gives it, in this suite's virtual
+    environment (-o: counted as installed, which `make test` did), with VARIABLE=value settings."""
+    venv = Path(sys.prefix)
+    command = ["make", *(["-n"] if dry_run else []), "-C", str(ROOT), "-o", f"{venv}/bin/.installed",
+               f"VENV={venv}", target, *variables]
+    env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), OMP_NUM_THREADS="1", **(env_extra or {}))
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
 def weights(run_dir):
     return load_file(str(Path(run_dir) / "model.safetensors"))
 

@@ -156,7 +156,8 @@ def test_amp_bf16_on_cpu_really_runs_in_bf16(ddp_run, tmp_path):
     assert json.loads((out / "config.json").read_text())["mixed_precision"] == "bf16"
     # The weights say how the run evaluated (bf16, channels_last off): evaluate.py does the same.
     evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *SMALL_DATA)
-    assert evaluated.stdout.startswith(f"test_acc={metrics['test_acc']:.4f} (") and " precision=bf16 " in evaluated.stdout
+    assert evaluated.stdout.startswith(f"test_acc={metrics['test_acc']:.4f} (")
+    assert " precision=bf16 " in evaluated.stdout
 
 
 # ---------------------------------------------------------------------------------- refusals
