@@ -16,7 +16,7 @@ $(BIN)/.installed: requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $@
 
-# A CIFAR-sized ResNet-20 on the synthetic dataset: no download, about two minutes on 2 CPU cores.
+# A CIFAR-sized ResNet-20 on the synthetic dataset: no download, about three minutes on 2 CPU cores.
 demo: $(BIN)/.installed
 	$(BIN)/python scripts/train_single.py --dataset synthetic --model resnet20 --epochs 8 $(ARGS)
 
