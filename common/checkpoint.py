@@ -307,9 +307,9 @@ def write_json(path: Path, obj) -> None:
         f.write((json.dumps(obj, indent=2) + "\n").encode())
 
 
-# What makes a run the experiment it is, beyond its flags: a resumed run must agree on these too (the
-# Accelerate config may set the precision, a moved --data-dir must hold the same data).
-SAME_ON_RESUME = ("global_batch_size", "classes", "image_size", "normalization", "train_size")
+# What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir
+# must hold the same data. The precision, which the Accelerate config may set, is compared on its own.
+SAME_ON_RESUME = ("classes", "image_size", "normalization", "train_size")
 
 
 def _precision(config: dict) -> str:
