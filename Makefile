@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # value of a flag wins, e.g. make demo ARGS="--epochs 2 --model resnet32".
 ARGS ?=
 
-.PHONY: demo test ddp bench diffs clean
+.PHONY: demo test ddp bench gpu-check diffs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ ddp: $(BIN)/.installed
 # The strategies this machine can run and the speed targets, measured side by side (docs/benchmarks.md).
 bench: $(BIN)/.installed
 	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S) $(ARGS)
+
+# Prove a GPU machine and the scripts on it: every script on every path, what must agree, the
+# benchmark's GPU rows; the report goes to a new runs/gpu-check-<time> (docs/gpu/README.md). Not echoed:
+# without a GPU its whole answer is one line (and make's own "Error 1").
+gpu-check: $(BIN)/.installed
+	@$(BIN)/python scripts/gpu_check.py $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

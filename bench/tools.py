@@ -88,47 +88,97 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gpu_memory_used() -> list[int]:
-    """Bytes in use on each GPU according to nvidia-smi (every process, CUDA contexts included)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+# nvidia-smi failing in any of its ways: not installed, no driver, or hung.
+NVIDIA_SMI_ERRORS = (OSError, subprocess.SubprocessError, ValueError)
+
+
+def visible_gpus(listed: list[tuple[str, str, int]], visible: str | None) -> list[tuple[str, str, int]]:
+    """The rows of ``listed`` (nvidia-smi's index, UUID, bytes used) that processes with
+    CUDA_VISIBLE_DEVICES=``visible`` see, in their cuda:0, cuda:1, ... order.
+
+    The variable lists nvidia-smi indices or GPU UUIDs (``GPU-...``, or a unique start of one), and
+    CUDA stops at the first entry that names no GPU. Indices are nvidia-smi's where
+    CUDA_DEVICE_ORDER=PCI_BUS_ID or the GPUs are all alike, as on a training node; CUDA otherwise
+    numbers them fastest first.
+    """
+    if visible is None:
+        return listed
+    chosen = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.startswith("MIG-"):  # nvidia-smi's memory.used is the whole GPU's, every MIG slice's
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible}: nvidia-smi cannot measure MIG slices")
+        named = [gpu for gpu in listed if entry == gpu[0] or entry.startswith("GPU-") and gpu[1].startswith(entry)]
+        if len(named) != 1:
+            break
+        chosen += named
+    return chosen
+
+
+def nvidia_smi_gpus(env: dict | None = None) -> list[tuple[str, str, int]]:
+    """(nvidia-smi index, UUID, bytes in use: every process's, CUDA contexts included) of each
+    GPU that processes started with ``env`` (default: this one's) see, in their cuda:N order.
+    Raises one of NVIDIA_SMI_ERRORS where nvidia-smi is missing, fails or hangs."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    return [int(mib) * 2**20 for mib in out.split()]
+    listed = [(index, uuid, int(mib) * 2**20) for index, uuid, mib in
+              (line.split(", ") for line in out.strip().splitlines())]
+    return visible_gpus(listed, (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
+
+
+def describe_gpus(gpus: list[tuple[str, str, int]], env: dict | None = None) -> str:
+    """Which physical GPUs the processes' cuda:0, cuda:1, ... are, in nvidia-smi's numbers."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    pairs = ", ".join(f"cuda:{i} = nvidia-smi's GPU {index}" for i, (index, _, _) in enumerate(gpus))
+    return f"GPUs as the processes number them: {pairs}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
 
 
 class PeakMemory:
-    """For each GPU, the largest rise of nvidia-smi's memory.used over its value before a launch
-    (the CUDA context, about 0.5 GB, included), sampled from outside every ``interval`` seconds.
+    """For each GPU the processes see, the largest rise of nvidia-smi's memory.used over its value
+    before a launch (the CUDA context, about 0.5 GB, included), sampled from outside every
+    ``interval`` seconds; the GPUs are the processes' cuda:0, cuda:1, ..., found through
+    CUDA_VISIBLE_DEVICES in ``env``. Where nvidia-smi cannot be used, ``error`` says why and
+    ``stop()`` returns nothing: the scripts' own gpu_mem_peak_gb stands in (scripts/benchmark.py).
 
     Without GPUs nothing is sampled: each training process reports its own peak resident memory
     when it exits (bench.steptimer), exact and without a watcher taking CPU time from the run.
     """
 
-    def __init__(self, gpus: int, interval: float = 0.5):
-        self.before = _gpu_memory_used()[:gpus] if gpus else []
-        self.peak: dict[int, int] = {}
+    def __init__(self, gpus: int, interval: float = 0.5, env: dict | None = None):
+        self.peak: dict[str, int] = {}
+        self.before: dict[str, int] = {}  # by UUID: the order of nvidia-smi's rows is not the processes'
+        self.error, self.env = None, env
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True)
         if gpus:
-            self._thread.start()
+            try:
+                self.before = {uuid: used for _, uuid, used in nvidia_smi_gpus(env)[:gpus]}
+            except NVIDIA_SMI_ERRORS as error:
+                self.error = f"nvidia-smi failed ({type(error).__name__}: {error})"
+            else:
+                self._thread.start()
 
     def _sample(self) -> None:
-        for i, (used, before) in enumerate(zip(_gpu_memory_used(), self.before)):
-            self.peak[i] = max(self.peak.get(i, 0), used - before)
+        for _, uuid, used in nvidia_smi_gpus(self.env):
+            if uuid in self.before:
+                self.peak[uuid] = max(self.peak.get(uuid, 0), used - self.before[uuid])
 
     def _watch(self, interval: float) -> None:
         while not self._done.is_set():
             try:
                 self._sample()
-            except (OSError, subprocess.SubprocessError):
+            except NVIDIA_SMI_ERRORS:
                 pass  # nvidia-smi busy: the next sample counts
             self._done.wait(interval)
 
     def stop(self) -> list[float]:
-        """Peak per GPU in GB; empty without GPUs."""
+        """Peak per GPU in GB, in the processes' cuda:N order; empty without GPUs, or where no
+        sample of every GPU came back."""
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
-        return [round(self.peak[key] / GB, 3) for key in sorted(self.peak)]
+        if set(self.peak) != set(self.before):
+            return []
+        return [round(self.peak[uuid] / GB, 3) for uuid in self.before]
 
 
 @dataclass
@@ -136,18 +186,19 @@ class WatchedRun:
     returncode: int
     stdout: str
     stderr: str
-    peak_memory_gb: list[float]
+    peak_memory_gb: list[float]  # per GPU, from nvidia-smi; empty without GPUs or where it failed
     wall_s: float
+    memory_error: str | None = None  # why nvidia-smi could not measure
 
 
 def run_watched(command: list[str], cwd: Path, gpus: int, timeout: float,
                 env: dict | None = None) -> WatchedRun:
-    """Run ``command`` to its end, with the peak memory of each GPU; the whole process group dies on
-    timeout."""
+    """Run ``command`` to its end, with the peak memory of each of its ``gpus`` GPUs; the whole
+    process group dies on timeout."""
     start = time.perf_counter()
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as process:
-        memory = PeakMemory(gpus)
+        memory = PeakMemory(gpus, env=env)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -155,7 +206,7 @@ def run_watched(command: list[str], cwd: Path, gpus: int, timeout: float,
             stdout, stderr = process.communicate()
             stderr += f"\nkilled after {timeout:g} s (--timeout)"
         peak = memory.stop()
-    return WatchedRun(process.returncode, stdout, stderr, peak, time.perf_counter() - start)
+    return WatchedRun(process.returncode, stdout, stderr, peak, time.perf_counter() - start, memory.error)
 
 
 # ------------------------------------------------------------------------ the plain PyTorch loop
@@ -165,11 +216,13 @@ class PlainLoop:
 
     The scripts' model, optimizer (common.optim) and batch size, on batches that are already
     normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
-    as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does.
+    as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does,
+    ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32).
     """
 
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
-                 channels_last: bool = False, compiled: bool = False, num_batches: int = 4):
+                 channels_last: bool = False, compiled: bool = False, num_batches: int = 4,
+                 tf32_math: bool | None = None):
         data = make_synthetic(batch_size * num_batches, 10)
         transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
         self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in
@@ -183,25 +236,27 @@ class PlainLoop:
         self.model = torch.compile(model) if compiled else model
         self.criterion = torch.nn.CrossEntropyLoss()
         self.device, self.bf16, self.batch_size, self.steps_done = device, bf16, batch_size, 0
+        self.tf32_math = tf32_math
         self.step_seconds: list[float] = []  # every step's time, warm-up included
 
     def run(self, steps: int) -> float:
         """Seconds for ``steps`` training steps."""
-        start = tick = time.perf_counter()
-        for _ in range(steps):
-            images, labels = self.batches[self.steps_done % len(self.batches)]
-            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
-                loss = self.criterion(self.model(images), labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            # Waits for the device at every step, so each step's time is the device's; the scripts
-            # wait once per step too, in their NaN check after the forward (common/parallel.py).
-            loss.item()
-            self.steps_done += 1
-            self.step_seconds.append(time.perf_counter() - tick)
-            tick = time.perf_counter()
-        return time.perf_counter() - start
+        with tf32(self.tf32_math):
+            start = tick = time.perf_counter()
+            for _ in range(steps):
+                images, labels = self.batches[self.steps_done % len(self.batches)]
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+                    loss = self.criterion(self.model(images), labels)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                # Waits for the device at every step, so each step's time is the device's; the scripts
+                # wait once per step too, in their NaN check after the forward (common/parallel.py).
+                loss.item()
+                self.steps_done += 1
+                self.step_seconds.append(time.perf_counter() - tick)
+                tick = time.perf_counter()
+            return time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -238,19 +293,62 @@ def flops_per_image(model_name: str, num_classes: int = 10) -> float:
     return counter.get_total_flops() / len(images)
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 4096,
-                repeats: int = 3) -> float:
-    """FLOP/s of the fastest of ``repeats`` square matmuls of ``size``: what dense math reaches here."""
+def uses_tf32(device: torch.device) -> bool:
+    """Whether fp32 matmuls and convolutions run in TF32 on ``device`` with the training scripts'
+    --tf32 (their default): on GPUs of compute capability 8.0 (Ampere) and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool | None):
+    """fp32 matmuls and cuDNN convolutions in TF32 (``True``) or strictly in fp32 (``False``) inside
+    the block, as the training scripts' --tf32 / --no-tf32 set them, and as before after it;
+    ``None`` changes nothing. Effective on GPUs of compute capability 8.0 and later only.
+
+    Set through allow_tf32, which keeps torch's two views of the setting in step: one set through
+    the newer fp32_precision alone makes a later read of allow_tf32 raise (torch 2.15), and
+    TorchInductor reads it.
+    """
+    if enabled is None:
+        yield
+        return
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [flag.allow_tf32 for flag in flags]
+    for flag in flags:
+        flag.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        for flag, value in zip(flags, before):
+            flag.allow_tf32 = value
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 4096, repeats: int = 3,
+                tf32_math: bool | None = None, min_seconds: float = 0.025) -> float:
+    """FLOP/s of square matmuls of ``size`` in ``dtype`` (fp32 in TF32 or strictly with ``tf32_math``,
+    see tf32): what dense math reaches here. The best of ``repeats`` timings, each of as many matmuls
+    back to back between two synchronisations as take ``min_seconds``: a GPU's launch and
+    synchronisation (~10 us) are then under 0.1 % of a timing, where they would be 10 % of one bf16
+    4096-square matmul (~0.15 ms on an H100). On a CPU one 4096-square matmul takes about a second.
+    """
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    torch.mm(a, b)  # the first call picks kernels and warms the caches
-    best = float("inf")
-    for _ in range(repeats):
+
+    def seconds(matmuls: int) -> float:
         synchronize(device)
         start = time.perf_counter()
-        torch.mm(a, b)
+        for _ in range(matmuls):
+            torch.mm(a, b)
         synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        return time.perf_counter() - start
+
+    with tf32(tf32_math):
+        seconds(1)  # the first call picks kernels and warms the caches
+        matmuls, timed = 1, seconds(1)
+        while timed < min_seconds:
+            matmuls *= 2
+            timed = seconds(matmuls)
+        best = min([timed] + [seconds(matmuls) for _ in range(repeats - 1)])
+    return 2 * size**3 * matmuls / best
 
 
 # ---------------------------------------------------------------------------- input pipelines

@@ -7,8 +7,12 @@ bottleneck in the source articles (docs/benchmark: about 5,600 img/s with torchv
 pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores).
 """
 
+import dataclasses
+
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from common.errors import UserError
 
 
 class BatchTransform:
@@ -43,8 +47,9 @@ class BatchTransform:
         return self.normalize(images)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        mean, std = self.mean.to(images.device), self.std.to(images.device)
-        return ((images.float() - mean) / std).contiguous(memory_format=self.memory_format)
+        if self.mean.device != images.device:  # once: a copy per batch would make the host wait for the GPU
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        return ((images.float() - self.mean) / self.std).contiguous(memory_format=self.memory_format)
 
     def crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         b, c, h, w = images.shape
@@ -77,6 +82,30 @@ def channel_stats(images: torch.Tensor, chunk: int = 4096):
     return mean.float().tolist(), std.float().tolist()
 
 
+# The decoded dataset may take at most this share of the GPU memory free when training starts; the
+# rest is for the model, its activations, gradients and optimizer state, and the allocator's cache.
+DEVICE_DATA_SHARE = 0.5
+
+
+def on_device(data, device: torch.device):
+    """``data`` (common.data.ImageData) with its tensors on ``device``, where the loader indexes
+    them; the host copy is no longer referenced and is freed (a cache loaded with mmap=True only
+    ever mapped it).
+
+    A dataset that would take more than DEVICE_DATA_SHARE of the free memory of the GPU is refused
+    with its size, instead of a CUDA out-of-memory error now or at the first step.
+    """
+    tensors = ("train_images", "train_labels", "test_images", "test_labels")
+    if device.type == "cuda":
+        size = sum(getattr(data, name).nbytes for name in tensors)
+        free, _ = torch.cuda.mem_get_info(device)
+        if size > DEVICE_DATA_SHARE * free:
+            raise UserError(
+                f"the decoded dataset takes {size / 1e9:.1f} GB, and this template keeps it on every GPU: more "
+                f"than {DEVICE_DATA_SHARE:.0%} of the {free / 1e9:.1f} GB free on {device}; train on fewer or smaller "
+                f"images, or on GPUs with more free memory")
+    return dataclasses.replace(data, **{name: getattr(data, name).to(device) for name in tensors})
+
 
 class TensorImages(Dataset):
     """Images and labels held as two tensors, on the CPU or already on the training device.
@@ -96,7 +125,11 @@ class TensorImages(Dataset):
         return self.images[index], self.labels[index]
 
     def __getitems__(self, indices):
-        index = torch.as_tensor(indices, device=self.labels.device)
+        index = torch.as_tensor(indices)
+        if self.labels.is_cuda:
+            # From pinned memory the copy is queued behind the GPU's work; from pageable memory
+            # the host would wait for all of it (the previous step's backward) every batch.
+            index = index.pin_memory().to(self.labels.device, non_blocking=True)
         return self.images[index], self.labels[index]
 
 

@@ -95,12 +95,14 @@ def check_output_dir(output_dir: Path, resume: str | None) -> None:
                         f"or choose another --output-dir")
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step; unfinished temporary folders do not count."""
+def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None:
+    """The complete checkpoint with the highest step (at most ``up_to``); unfinished temporary
+    folders do not count."""
     folder = Path(output_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
         return None
-    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
+    steps = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (up_to is None or int(m.group(1)) <= up_to)]
     return max(steps)[1] if steps else None
 
 

@@ -44,6 +44,14 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                        help="NHWC memory format for the model and its batches: faster convolutions on tensor "
                             "cores and in oneDNN on CPUs (default: on)")
+    train.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                       help="fp32 matmuls and convolutions in TF32 on GPUs of compute capability 8.0 and newer "
+                            "(Ampere, Hopper): tensor-core speed with fp32's range; --no-tf32 for strict fp32. "
+                            "No effect on CPUs and older GPUs (default: on)")
+    train.add_argument("--deterministic", action="store_true",
+                       help="deterministic GPU kernels only, so a run and its --resume repeat bit for bit on a GPU "
+                            "as they do on a CPU; slower, and an op without a deterministic kernel stops the run "
+                            "(default: off, cuDNN picks the fastest kernels)")
     train.add_argument("--epochs", type=int, default=15, help="passes over the training split (default: %(default)s)")
     train.add_argument("--batch-size", type=int, default=128,
                        help="GLOBAL batch: images per optimizer step summed over all devices and processes; "

@@ -112,7 +112,9 @@ def _cached(path: Path, build) -> ImageData:
 def _load_or_build(path: Path, build) -> ImageData:
     if path.exists():
         try:
-            saved = torch.load(path, weights_only=True)
+            # Mapped, not read: pages come from the file as they are used, and a training script
+            # that moves the data to its GPU keeps no host copy.
+            saved = torch.load(path, weights_only=True, mmap=True)
             return ImageData(**saved)
         except Exception as e:  # a truncated or foreign file only costs a rebuild
             log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path, first_line(e))

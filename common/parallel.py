@@ -2,17 +2,19 @@
 take together, and the GPUs that nn.DataParallel drives from one process.
 
 With one process per GPU (DDP) each process sees its own GPU and the data moves through NCCL;
-DataParallel instead copies batches, weights and outputs directly between GPUs and keeps the model,
-the gathered outputs and the loss on the first one.
+DataParallel instead copies batches and outputs directly between GPUs, broadcasts the weights and
+sums the gradients through NCCL (torch.cuda.comm), and keeps the model, the gathered outputs and the
+loss on the first one.
 """
 
+import multiprocessing
 import os
 import sys
 
 import torch
 
 from common.checkpoint import latest_checkpoint
-from common.errors import UserError
+from common.errors import UserError, first_line
 
 GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 
@@ -70,8 +72,7 @@ def choose_mixed_precision(requested: str | None) -> str:
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     precision = requested or configured
     if precision not in ("fp16", "bf16"):
-        gpu = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
-        precision = "fp16" if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < (8, 0) else "bf16"
+        precision = "fp16" if torch.cuda.is_available() and _own_gpu_capability() < (8, 0) else "bf16"
         if configured != "no" and os.environ.get("RANK", "0") == "0":
             print(f"warning: the Accelerate config's mixed_precision {configured} is not one train_amp.py trains "
                   f"in; training in {precision} (--mixed-precision fp16 or bf16 to choose)", file=sys.stderr)
@@ -80,6 +81,39 @@ def choose_mixed_precision(requested: str | None) -> str:
         raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a word): "
                         f"use --mixed-precision bf16")
     return precision
+
+
+def _own_gpu_capability() -> tuple[int, int]:
+    """Compute capability of this process's GPU (LOCAL_RANK), made its current device first, as
+    Accelerate will: asking before would create a CUDA context on GPU 0 in every process."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.cuda.get_device_capability()
+
+
+def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
+    """Set how fp32 math runs in this process, for every script; returns what fp32 matmuls and
+    convolutions run in on ``device``, "tf32" or "ieee", for the start line and config.json.
+
+    - TF32 (--tf32, on by default) keeps fp32's range with a 10-bit mantissa, on the tensor cores of
+      GPUs of compute capability 8.0 and newer: several times the speed of strict fp32 matmuls, and
+      ImageNet-style training reaches the same accuracy (NVIDIA's Ampere results). torch's defaults
+      mix the two (TF32 for cuDNN convolutions, strict fp32 for matmuls); here both follow the flag.
+      CPUs and older GPUs have no TF32: "ieee" there, whatever the flag.
+    - cudnn.benchmark times cuDNN's convolution algorithms once per input shape and keeps the
+      fastest; the shapes here are fixed, so it pays from the first epoch.
+    - --deterministic: deterministic algorithms only (an op that has none raises), no algorithm
+      search, and cuBLAS with a fixed workspace, so a run and its resume repeat bit for bit on a GPU
+      too, at some cost in speed. Call this before the first matmul: cuBLAS reads
+      CUBLAS_WORKSPACE_CONFIG when it starts.
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    has_tf32 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return "tf32" if tf32 and has_tf32 else "ieee"
 
 
 def check_batch_split(batch_size: int, parts: int, what: str) -> None:
@@ -92,23 +126,86 @@ def check_batch_split(batch_size: int, parts: int, what: str) -> None:
         raise UserError(f"--batch-size {batch_size} does not divide by {parts} {what}: use {nearest}")
 
 
-def stop_if_not_finite(accelerator, loss: torch.Tensor, step: int, output_dir) -> None:
-    """Stop the run, in every process at once, when any process's loss is NaN or infinite.
+class NonFiniteGuard:
+    """Stops the run, in every process at the same step, when any process's loss is NaN or infinite,
+    without making the host wait for the device every step.
 
-    The sum over processes is non-finite if any part is, so all processes see the same answer and
-    none is left waiting in the next all-reduce. The check runs before the optimizer step, so the
-    weights and the last checkpoint stay good. Reading the flag waits for the device: one small
-    synchronisation per step, the price of stopping at the exact step.
+    ``check`` sums the loss over processes (non-finite if any part is, so every process gets the same
+    answer and none is left waiting in the next all-reduce) and starts copying that one number to the
+    host; it reads the number one step later, when the device has long computed it, so the host keeps
+    queueing work ahead of the device. The bad step has then changed the weights in memory, but
+    nothing of it is kept: ``flush`` reads the pending number before every checkpoint and at the end
+    of each epoch, so no checkpoint, model.safetensors or metrics line ever holds it.
     """
-    total = accelerator.reduce(loss.detach().float(), "sum")
-    if not torch.isfinite(total):
-        checkpoint = latest_checkpoint(output_dir)
+
+    def __init__(self, accelerator, output_dir):
+        self.accelerator, self.output_dir = accelerator, output_dir
+        self.pending = None  # (step, loss sum on its way to the host, event that marks its arrival)
+
+    def check(self, loss: torch.Tensor, step: int) -> None:
+        total = self.accelerator.reduce(loss.detach().float(), "sum")
+        arrived = None
+        if total.is_cuda:  # a copy into pinned host memory, queued behind the step's work
+            total, arrived = total.to("cpu", non_blocking=True), torch.cuda.Event()
+            arrived.record()
+        previous, self.pending = self.pending, (step, total, arrived)
+        if previous:
+            self._read(*previous)
+
+    def flush(self) -> None:
+        """Wait for the newest step's loss and stop if it is not finite: before anything is saved."""
+        if self.pending:
+            pending, self.pending = self.pending, None
+            self._read(*pending)
+
+    def _read(self, step: int, total: torch.Tensor, arrived) -> None:
+        if arrived is not None:
+            arrived.synchronize()
+        if torch.isfinite(total):
+            return
+        checkpoint = latest_checkpoint(self.output_dir)
         then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
                 else "there is no checkpoint yet: start again with a lower --lr")
         # Every process says it before any exits, so the launcher cannot stop one before it speaks.
-        print(f"error: the loss is {total.item()} at step {step}: training stopped before that step changed "
-              f"the weights; {then}", file=sys.stderr, flush=True)
-        accelerator.wait_for_everyone()
+        print(f"error: the loss is {total.item()} at step {step}: training stopped and nothing of that step was "
+              f"saved; {then}", file=sys.stderr, flush=True)
+        self.accelerator.wait_for_everyone()
+        raise SystemExit(1)
+
+
+class SkippedSteps:
+    """fp16 steps that the GradScaler skipped because their gradients overflowed.
+
+    A skip halves the loss scale, and one now and then is normal: the scale probes upwards after
+    every 2,000 good steps. A run whose every step overflows has diverged, and nothing says so: the
+    scale halves forever and no step is applied. ``limit`` skipped steps in a row (a scale 2^-limit
+    of the one that last worked) stop the run, in every process (DDP averages the gradients before
+    the scaler looks, so all skip alike), without a checkpoint of those steps, naming the newest
+    checkpoint from before the skipping began.
+    """
+
+    def __init__(self, accelerator, output_dir, limit: int = 100):
+        self.accelerator, self.output_dir, self.limit = accelerator, output_dir, limit
+        self.in_epoch = self.in_a_row = 0  # the log line reports in_epoch, the count of this epoch
+
+    def count(self, step: int) -> None:
+        """After ``optimizer.step()`` of optimizer step ``step``."""
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.in_a_row = 0
+            return
+        self.in_epoch += 1
+        self.in_a_row += 1
+        if self.in_a_row < self.limit:
+            return
+        first = step - self.in_a_row + 1
+        checkpoint = latest_checkpoint(self.output_dir, up_to=first - 1)
+        then = (f"the newest checkpoint before them is {checkpoint}: resume from it with a lower --lr or "
+                f"--clip-grad" if checkpoint else "there is no checkpoint from before them: start again with a "
+                "lower --lr, --clip-grad or --mixed-precision bf16")
+        print(f"error: fp16 skipped {self.in_a_row} steps in a row ({first} to {step}) because the gradients "
+              f"overflowed at every loss scale (now {self.accelerator.scaler.get_scale():g}): training diverged "
+              f"and stopped; {then}", file=sys.stderr, flush=True)
+        self.accelerator.wait_for_everyone()
         raise SystemExit(1)
 
 
@@ -126,39 +223,163 @@ def data_parallel_devices(device: torch.device) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
 
+PEER_CHECK_TIMEOUT = 60  # seconds one step of the check may take, CUDA's start on a GPU it is first to use included
+# Seconds for the checking process to start: importing torch from a cold network disk can take minutes,
+# and that is no hang between GPUs.
+PEER_CHECK_START_LIMIT = 600
+PEER_ADVICE = ("DataParallel's scatter and gather copy directly between GPUs even with NCCL_P2P_DISABLE=1, so "
+               "train with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py instead, or turn off the "
+               "IOMMU or PCIe ACS that breaks peer-to-peer (see `nvidia-smi topo -m`)")
+
+
 def peer_copy(values: torch.Tensor, source: torch.device, target: torch.device) -> torch.Tensor:
     """``values`` (on the host) put on ``source``, copied straight to ``target`` the way
     DataParallel's scatter and gather copy, and read back to the host."""
     return values.to(source).to(target).cpu()
 
 
-def broken_peer_copies(devices: list[torch.device]) -> list[tuple[torch.device, torch.device]]:
-    """Copy a known pattern between every ordered pair of GPUs: the (source, target) pairs whose
-    copy arrived different."""
-    # 4 MiB of random words: zeros, stale or shifted data all show.
-    expected = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,
-                             generator=torch.Generator().manual_seed(0))
-    return [(source, target) for source in devices for target in devices
-            if source != target and not torch.equal(peer_copy(expected, source, target), expected)]
+def known_words() -> torch.Tensor:
+    """4 MiB of random words, the same in every process: zeros, stale or shifted data all show."""
+    return torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
 
 
-def check_peer_copies(devices: list[torch.device]) -> None:
-    """Stop, with what to do, when a copy between two GPUs arrives wrong (broken_peer_copies).
+def broken_peer_copies(devices: list[torch.device],
+                       started=lambda step: None) -> list[tuple[torch.device, torch.device]]:
+    """Copy a known pattern between every ordered pair of GPUs, as DataParallel's scatter (the batch)
+    and gather (the outputs) copy: the (source, target) pairs whose copy arrived different.
+    ``started`` is told each copy before it runs, so that one that hangs can be named."""
+    expected, broken = known_words(), []
+    for source in devices:
+        for target in devices:
+            if source != target:
+                started(f"the copy {source} -> {target}")
+                if not torch.equal(peer_copy(expected, source, target), expected):
+                    broken.append((source, target))
+    return broken
+
+
+def broken_nccl_transfers(devices: list[torch.device], started=lambda step: None) -> list[str]:
+    """DataParallel's other two transfers, made with the calls it makes: the weights broadcast from the
+    first GPU (replicate: comm.broadcast_coalesced) and the gradients summed onto it (backward:
+    comm.reduce_add_coalesced). Both go through NCCL where torch has it (torch/nn/parallel/comm.py),
+    so NCCL_P2P_DISABLE=1 changes their path. The ones that arrived wrong, named as ``started`` is told."""
+    comm, first, n = torch.nn.parallel.comm, devices[0], len(devices)
+    others = ", ".join(map(str, devices[1:]))
+    expected, broken = known_words(), []
+    broadcast = f"NCCL's broadcast {first} -> {others}"
+    started(broadcast)
+    arrived = comm.broadcast_coalesced([expected.to(first)], devices)  # one list of tensors per GPU
+    broken += [f"{broadcast} (wrong on {device})" for device, (copy,) in zip(devices, arrived)
+               if not torch.equal(copy.cpu(), expected)]
+    # GPU i adds (i + 1) x a pattern of words below 1024: a share that arrives zero, stale or twice
+    # shows, and the sum stays exact in int32 up to 64 GPUs.
+    pattern = expected % 1024
+    shares = [[(pattern * (i + 1)).to(device)] for i, device in enumerate(devices)]
+    reduce = f"NCCL's reduce_add {others} -> {first}"
+    started(reduce)
+    (total,) = comm.reduce_add_coalesced(shares, first)
+    if not torch.equal(total.cpu(), pattern * (n * (n + 1) // 2)):
+        broken.append(reduce)
+    return broken
+
+
+def data_parallel_transfers(devices: list[torch.device], started) -> tuple[list, list[str]]:
+    """All that DataParallel moves between GPUs, checked: (broken_peer_copies, broken_nccl_transfers)."""
+    return broken_peer_copies(devices, started), broken_nccl_transfers(devices, started)
+
+
+class PeerCheckFailed(Exception):
+    """The process that checks transfers between GPUs hung or died; the text says how, in one line,
+    and ``step`` is the step it was in (None before the first)."""
+
+    def __init__(self, message: str, step: str | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def report_transfers(check, devices: list[torch.device], channel) -> None:
+    """In the child process: that it started, each step of ``check`` as it starts, then the result or
+    the error, sent to the parent."""
+    channel.send(("ready", None))
+    try:
+        result = check(devices, lambda step: channel.send(("step", step)))
+    except Exception as error:  # the parent reports it, in one line
+        channel.send(("failed", first_line(error)))
+    else:
+        channel.send(("done", result))
+
+
+def run_transfer_check(devices: list[torch.device], timeout: float = PEER_CHECK_TIMEOUT,
+                       check=data_parallel_transfers):
+    """``check(devices, started)`` run in a child process: its result, or PeerCheckFailed when one step
+    takes longer than ``timeout`` seconds or the child dies.
+
+    Broken peer-to-peer can hang a transfer instead of corrupting it, and a CUDA call that hangs
+    cannot be interrupted; a process can be killed. The child is spawned: a forked one cannot use
+    CUDA once the parent has asked about the GPUs.
+    """
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=report_transfers, args=(check, devices, sender), daemon=True)
+    child.start()
+    sender.close()  # the child holds the only sending end now: when it dies, the pipe ends
+    ready, step, finished = False, None, False
+    try:
+        while receiver.poll(timeout if ready else PEER_CHECK_START_LIMIT):
+            try:
+                kind, value = receiver.recv()
+            except EOFError:
+                child.join(5)
+                where = f"during {step}" if step else "before its first step"
+                raise PeerCheckFailed(f"the process checking transfers between GPUs died (exit code "
+                                      f"{child.exitcode}) {where}", step) from None
+            finished = kind in ("done", "failed")
+            if kind == "done":
+                return value
+            if kind == "failed":
+                raise PeerCheckFailed(f"{step or 'the check'} failed: {value}", step)
+            ready, step = True, value or step
+        if not ready:
+            raise PeerCheckFailed(f"the process checking transfers between GPUs did not start in "
+                                  f"{PEER_CHECK_START_LIMIT} s")
+        raise PeerCheckFailed(f"{step or 'the check, before its first step,'} got no answer in {timeout:g} s: "
+                              f"it hangs, as broken peer-to-peer can", step)
+    finally:
+        receiver.close()
+        child.join(5 if finished else 0)  # a finished child exits by itself; a hung one is killed
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def check_peer_copies(devices: list[torch.device], *, timeout: float = PEER_CHECK_TIMEOUT,
+                      check=data_parallel_transfers) -> None:
+    """Stop, with what to do, when a transfer between two GPUs arrives wrong, hangs or fails
+    (run_transfer_check of ``check``, by default all that DataParallel moves between GPUs).
 
     On some PCIe machines peer-to-peer copies are enabled but broken (an IOMMU or PCIe ACS
-    redirects them); the copies then deliver wrong data without an error and DataParallel's loss
-    turns NaN in the first epoch (the source articles, on two PCIe GPUs, even at lr 0.001).
-    NCCL_P2P_DISABLE=1 only changes NCCL's transport, and DataParallel's scatter and gather are
-    plain tensor copies, so only DDP with NCCL_P2P_DISABLE=1 avoids the broken path.
+    redirects them); the copies then deliver wrong data without an error, or hang, and
+    DataParallel's loss turns NaN in the first epoch (the source articles, on two PCIe GPUs, even at
+    lr 0.001). NCCL_P2P_DISABLE=1 moves what goes through NCCL off peer-to-peer: DDP's all-reduce,
+    and DataParallel's weight broadcast and gradient sum. DataParallel's scatter of the batch and
+    gather of the outputs are plain copies between GPUs that it does not change, so only DDP with
+    NCCL_P2P_DISABLE=1 avoids the broken path.
     """
-    broken = broken_peer_copies(devices)
-    if broken:
-        source, target = broken[0]
-        raise UserError(
-            f"a GPU-to-GPU copy {source} -> {target} returned wrong data: peer-to-peer copies are broken "
-            f"on this machine (IOMMU or PCIe ACS; see `nvidia-smi topo -m`) and DataParallel copies "
-            f"directly between GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 "
-            f"accelerate launch ... scripts/train_ddp.py instead, or turn the IOMMU / ACS off")
+    try:
+        copies, nccl = run_transfer_check(devices, timeout, check)
+    except PeerCheckFailed as failure:
+        raise UserError(f"{failure}; {PEER_ADVICE}") from None
+    if copies:
+        source, target = copies[0]
+        raise UserError(f"the GPU-to-GPU copy {source} -> {target} returned wrong data: peer-to-peer copies are "
+                        f"broken on this machine; {PEER_ADVICE}")
+    if nccl and os.environ.get("NCCL_P2P_DISABLE") == "1":
+        raise UserError(f"{nccl[0]} returned wrong data even with NCCL_P2P_DISABLE=1: NCCL is broken on this "
+                        f"machine beyond peer-to-peer; run python scripts/check_gpus.py with NCCL_DEBUG=INFO")
+    if nccl:
+        raise UserError(f"{nccl[0]} returned wrong data, though direct copies arrived intact: NCCL's peer-to-peer "
+                        f"path is broken; run with NCCL_P2P_DISABLE=1, which moves DataParallel's broadcast and "
+                        f"reduce_add off it, or use NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py")
 
 
 def memory_report(devices: list[torch.device]) -> dict[str, list[float]]:

@@ -6,7 +6,8 @@ wandb run per job, which Accelerate creates on the main process only, however ma
 job has. The run id is kept in the training state, so --resume (and an automatic restart)
 continues the same run. Without an API key and without WANDB_MODE, the run is written offline
 under --output-dir and one line says how to upload it (`wandb sync`): never a login prompt. A
-tracking failure prints one warning and training goes on without it.
+tracking failure, a server that cannot be reached within START_TIMEOUT included, prints one
+warning and training goes on without it.
 """
 
 import netrc
@@ -17,9 +18,15 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import torch
+
 from common.errors import first_line
 
 DEFAULT_PROJECT = "multigpu-cifar"
+# Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
+# the other processes of a job wait for the main one meanwhile, so it must stay well under
+# --dist-timeout (600 s), and under wandb's own 90 s.
+START_TIMEOUT = 60
 
 
 def has_wandb_credentials() -> bool:
@@ -51,6 +58,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress, projec
         # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
         progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     init = {"id": progress.tracker_run_id, "resume": "allow", "dir": os.environ.get("WANDB_DIR", str(output_dir))}
+    if not os.environ.get("WANDB_INIT_TIMEOUT"):  # the other processes wait for this one meanwhile
+        init["settings"] = {"init_timeout": START_TIMEOUT}
     init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items() if value})
     project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
     try:
@@ -126,3 +135,45 @@ def log_line(m: dict) -> str:
             value = m[key]
             line += f" {key}=" + (",".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:g}")
     return line
+
+
+class DataWait:
+    """How long each epoch waited for its training batches: from the end of one step's work to the
+    batch ready for the next forward pass.
+
+    On a CPU the host clock measures it. On a GPU the host runs ahead of the device, so the host
+    clock would measure whatever the device was still busy with; CUDA events in the stream measure
+    the device's time instead: the batch's own work (indexing, augmentation) plus any time the
+    device sat idle waiting for the host to fetch it. Reading them waits for the device, so
+    ``seconds`` is called once an epoch.
+    """
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans, self.total, self.tick = [], 0.0, None
+
+    def start(self) -> None:
+        """At the end of a step (and before the first)."""
+        self.tick = self._now()
+
+    def stop(self) -> None:
+        """Once the batch is ready for the model."""
+        if self.cuda:
+            self.spans.append((self.tick, self._now()))
+        else:
+            self.total += time.perf_counter() - self.tick
+
+    def seconds(self) -> float:
+        """The wait since the last call."""
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            self.total += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+        total, self.total, self.spans = self.total, 0.0, []
+        return total
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event

@@ -24,8 +24,9 @@ Checks (--checks), the project's speed targets, each a ratio of two things measu
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
                 DataLoader with 2 workers; data wait < 2 % of train_single's step time
     precision   bf16 autocast + channels_last >= 1.8 x fp32, one training step of the plain loop
-    compute     train_single fp32 FLOP/s (FlopCounterMode's count per image) >= 85 % of the measured
-                fp32 matmul peak
+    compute     train_single fp32 FLOP/s (FlopCounterMode's count per image) >= 85 % of the matmul peak
+                measured in the math its fp32 runs in: TF32 on GPUs of compute capability 8.0 and
+                later, as the scripts' --tf32 default sets it (the strict fp32 peak beside it)
     compile     torch.compile on the plain loop: compile time and steady speed-up, reported as measured
 
 Launch:
@@ -142,7 +143,7 @@ def parse_args(argv=None):
     parser.add_argument("--loader-images", type=int, default=10_000,
                         help="images per epoch in the data check's loader comparison (default: %(default)s)")
     parser.add_argument("--matmul-size", type=int, default=4096,
-                        help="side of the square fp32 matmul that measures the peak (default: %(default)s)")
+                        help="side of the square matmuls that measure the peaks (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds one launch may take (default: %(default)s)")
     parser.add_argument("--output-dir", default=None,
@@ -175,6 +176,8 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
     times_file = str(workdir / f"{output_dir.name}-steps")
     launcher = strategy.launcher()  # python, or accelerate launch, which runs a module with -m
     timed = [*launcher, "-m", "bench.steptimer", times_file, *script]
+    if gpus:  # what the plain loops and matmul peaks freed, this process's allocator still holds
+        torch.cuda.empty_cache()
     run = tools.run_watched(timed, ROOT, gpus, args.timeout)
     if run.returncode != 0:
         last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
@@ -191,7 +194,20 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
             "epoch_time_s": metrics[0]["epoch_time_s"], "data_wait_frac": metrics[0]["data_wait_frac"],
             "wall_s": round(run.wall_s, 2),
             "peak_memory_gb": run.peak_memory_gb if gpus else [r["peak_rss_gb"] for r in ranks],
+            "torch_peak_memory_gb": metrics[0].get("gpu_mem_peak_gb", []), "memory_error": run.memory_error,
             "command": shlex.join([*launcher, *script]).replace(str(output_dir), "OUT")}
+
+
+def peak_memory(runs: list[dict], gpus: int) -> tuple[list[float], str]:
+    """A row's peak memory per device over its launches, and what it is: on GPUs nvidia-smi's
+    rise where every launch has it, else the peak torch allocated as the scripts report it
+    (gpu_mem_peak_gb: no CUDA context, no allocator cache), else none; without GPUs each process's
+    peak resident memory."""
+    kinds = [("peak_memory_gb", "GPU, nvidia-smi"), ("torch_peak_memory_gb", "GPU, torch max_memory_allocated")]
+    for key, kind in kinds if gpus else [("peak_memory_gb", "RSS per process")]:
+        if all(run[key] for run in runs):
+            return [max(values) for values in zip(*(run[key] for run in runs))], kind
+    return [], "unknown"
 
 
 def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdir: Path,
@@ -200,7 +216,7 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
     checks' plain-loop rounds, so that the row's launches sit between rounds measured beside them."""
     global_batch = args.global_batch_size or per_device_batch * strategy.devices
     row = {**dataclasses.asdict(strategy), "per_device_batch": global_batch // strategy.devices,
-           "global_batch": global_batch, "memory_kind": "GPU, nvidia-smi" if gpus else "RSS per process",
+           "global_batch": global_batch, "memory_kind": "unknown",
            "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
     print(f"{strategy.name}: {strategy.label}, global batch {global_batch}, {args.repeats} x "
           f"({WARMUP_STEPS} + {steps}) steps ...", flush=True)
@@ -224,11 +240,14 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
     row["img_per_s"] = global_batch / row["step_seconds"]["median"]
     row["epoch_50k_s"] = EPOCH_IMAGES / row["img_per_s"]
     row["data_wait_frac"] = statistics.median(run["data_wait_frac"] for run in row["runs"])
-    peaks = [max(values) for values in zip(*(r["peak_memory_gb"] for r in row["runs"]))]
+    peaks, row["memory_kind"] = peak_memory(row["runs"], gpus)
     row["peak_memory_gb"] = peaks[:strategy.devices] if gpus else peaks  # GPUs the row used; CPU: per process
     row["command"] = row["runs"][-1]["command"]
     print(f"  {row['img_per_s']:.1f} img/s (median of {len(seconds)} steps, {row['step_seconds']['min']:.3f} to "
           f"{row['step_seconds']['max']:.3f} s), data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
+    errors = sorted({run["memory_error"] for run in row["runs"] if run.get("memory_error")})
+    if errors:
+        print(f"  peak memory: {row['memory_kind']}, as {'; '.join(errors)}", flush=True)
     return row
 
 
@@ -249,9 +268,10 @@ def check(name, value, passed, measured, target, note="", other_work=None):
 
 def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list[dict]:
     """The ratio checks. ``single`` is the train_single row; ``plain`` and ``peaks`` hold the
-    plain-loop img/s and matmul FLOP/s of the rounds that ran around its launches. The speed of a
-    shared machine drifts by tens of percent within minutes, so each ratio compares things measured
-    in the same minutes, by medians, which the occasional stalled step does not move."""
+    plain-loop img/s and matmul FLOP/s of the rounds that ran around its launches (the fp32 peak in
+    the math the fp32 rows run in: TF32 where tools.uses_tf32, the strict peak beside it). The speed
+    of a shared machine drifts by tens of percent within minutes, so each ratio compares things
+    measured in the same minutes, by medians, which the occasional stalled step does not move."""
     results, batch = [], args.per_device_batch_size
     script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
     plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
@@ -273,23 +293,26 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
         results[-1].update(train_single_step_seconds=script_steps, plain_step_seconds=list(plain_steps))
     if "data" in checks:
         results += data_checks(single, args, device)
+    fp32_math = "TF32" if tools.uses_tf32(device) else "fp32"  # what the fp32 rows and loops compute in
+    strict = (f"; the strict fp32 matmul peak is {statistics.median(peaks['fp32_strict']) / 1e9:,.0f} GFLOP/s"
+              if peaks.get("fp32_strict") else "")
     if "precision" in checks and plain["bf16"]:
         ratio = statistics.median(b / f for b, f in zip(plain["bf16"], plain["fp32"]))  # round by round
         allows = statistics.median(b / f for b, f in zip(peaks["bf16"], peaks["fp32"]))
         results.append(check(
             "precision: bf16 + channels_last / fp32", ratio, ratio >= 1.8,
             f"{ratio:.2f}x ({statistics.median(plain['bf16']):.1f} vs {statistics.median(plain['fp32']):.1f} img/s, "
-            f"plain loop)", ">= 1.8x", f"the bf16 / fp32 matmul peaks allow {allows:.2f}x here",
-            single.get("other_work")))
+            f"plain loop{', fp32 in TF32' if fp32_math == 'TF32' else ''})", ">= 1.8x",
+            f"the bf16 / {fp32_math} matmul peaks allow {allows:.2f}x here", single.get("other_work")))
     if "compute" in checks and rate and peaks["fp32"]:
         flops, peak = tools.flops_per_image(args.model), statistics.median(peaks["fp32"])
         ratio = rate * flops / peak
         plain_ratio = statistics.median(r * flops / p for r, p in zip(plain["fp32"], peaks["fp32"]))
         results.append(check(
-            "compute: train_single fp32 FLOP/s / fp32 matmul peak", ratio, ratio >= 0.85,
-            f"{ratio:.0%} ({rate * flops / 1e9:.0f} of {peak / 1e9:.0f} GFLOP/s; {flops / 1e9:.2f} GFLOP per "
+            f"compute: train_single fp32 FLOP/s / {fp32_math} matmul peak", ratio, ratio >= 0.85,
+            f"{ratio:.0%} ({rate * flops / 1e9:,.0f} of {peak / 1e9:,.0f} GFLOP/s; {flops / 1e9:.2f} GFLOP per "
             f"image, FlopCounterMode)", ">= 85 %",
-            f"the plain loop reaches {plain_ratio:.0%}" + ("" if ratio >= 0.85 else
+            f"the plain loop reaches {plain_ratio:.0%}{strict}" + ("" if ratio >= 0.85 else
             f"; a {args.matmul_size}-square matmul is the most favourable case: convolutions lose to their memory "
             f"layouts, BatchNorm, ReLU and the optimizer to memory traffic, which the FLOP count leaves out"),
             single.get("other_work")))
@@ -323,7 +346,7 @@ def compile_check(setting, eager, args, steps, device) -> dict:
     name, other_work = f"compile: torch.compile, {setting}", tools.OtherWork()
     try:
         loop = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=setting == "bf16",
-                               channels_last=setting == "bf16", compiled=True)
+                               channels_last=setting == "bf16", compiled=True, tf32_math=eager.tf32_math)
         with tools.cold_compile_cache():  # a first run's compile time, not a rerun's from the cache
             first = loop.run(1)
         rate, eager_rate = steady_rate(loop, steps), steady_rate(eager, steps)
@@ -363,6 +386,20 @@ def noise_note(rates: list[float], other_work: float) -> str:
     return note
 
 
+def memory_protocol(gpus: int) -> str:
+    """The protocol's account of the peak-memory column, with the physical GPUs nvidia-smi measures."""
+    if not gpus:
+        return "per training process, its peak resident memory (VmHWM, reported by the process as it exits)"
+    try:
+        watched = tools.nvidia_smi_gpus()[:gpus]
+    except tools.NVIDIA_SMI_ERRORS as error:
+        return (f"per GPU, the peak memory torch allocated in the training processes (their gpu_mem_peak_gb; "
+                f"no CUDA context, no allocator cache), as nvidia-smi failed here ({type(error).__name__}: "
+                f"{str(error).strip()[:200]})")
+    return (f"per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included; "
+            f"{tools.describe_gpus(watched)}")
+
+
 # --------------------------------------------------------------------------------------- main
 
 def main(args):
@@ -387,8 +424,7 @@ def main(args):
         data=f"Data: synthetic, {WARMUP_STEPS} + N + 1 batches made on the spot and held on the device."
         if args.dataset == "synthetic" else f"Data: {args.data_dir or args.dataset}, held on the device.",
         cpu=" (without GPUs every row shares the same cores: the CPU is one device)" if not gpus else "",
-        memory="per GPU, the largest rise of nvidia-smi's memory.used during the runs, CUDA context included"
-        if gpus else "per training process, its peak resident memory (VmHWM, reported by the process as it exits)")
+        memory=memory_protocol(gpus))
     print(f"benchmark: {args.model} on {tools.describe_machine(machine)}; N = {steps} steps; rows: "
           f"{' '.join(names)}; checks: {' '.join(checks) or 'none'}; report in {output_dir}\nprotocol: {protocol}",
           flush=True)
@@ -397,13 +433,16 @@ def main(args):
     # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
     # compare loops that ran on the same machine at the same time.
     plain = {"fp32": [], "bf16": []}
-    peaks = {"fp32": [], "bf16": []}  # matmul FLOP/s, measured in the same rounds
+    # Matmul FLOP/s, measured in the same rounds and in the math the loops run in: with the scripts'
+    # --tf32 default, fp32 in TF32 on GPUs that have it, so the strict fp32 peak is measured beside it.
+    peaks = {"fp32": [], "bf16": [], **({"fp32_strict": []} if tools.uses_tf32(device) else {})}
+    tf32_math = True if gpus else None  # the scripts' --tf32 default; it changes nothing on a CPU
     loops = {}
     if {"overhead", "precision", "compute", "compile"} & set(checks):
-        loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device)
+        loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, tf32_math=tf32_math)
         if {"precision", "compile"} & set(checks) and (gpus == 0 or torch.cuda.is_bf16_supported()):
             loops["bf16"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
-                                            channels_last=True)
+                                            channels_last=True, tf32_math=tf32_math)
         for loop in loops.values():
             loop.run(WARMUP_STEPS)
             loop.step_seconds.clear()
@@ -411,9 +450,13 @@ def main(args):
     def plain_round():
         for key, loop in loops.items():
             plain[key].append(steady_rate(loop, steps))
-            if {"precision", "compute"} & set(checks):
-                dtype = torch.bfloat16 if key == "bf16" else torch.float32
-                peaks[key].append(tools.matmul_peak(device, dtype, args.matmul_size, repeats=2))
+        if {"precision", "compute"} & set(checks):
+            for key, math in (("fp32", tf32_math), ("fp32_strict", False), ("bf16", None)):
+                if key in peaks and key.split("_")[0] in loops:
+                    dtype = torch.bfloat16 if key == "bf16" else torch.float32
+                    # The best of 2 on a CPU, where a 4096-square matmul takes a second; of 5 on a GPU.
+                    peaks[key].append(tools.matmul_peak(device, dtype, args.matmul_size, repeats=5 if gpus else 2,
+                                                        tf32_math=math))
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="benchmark-") as workdir:
@@ -433,7 +476,8 @@ def main(args):
               "started": started, "duration_s": round(time.perf_counter() - clock, 1), "machine": machine,
               "load_average_end": list(os.getloadavg()), "command": shlex.join(sys.argv),
               "protocol": protocol, "steps": steps, "repeats": args.repeats, "rows": rows, "sweep": sweep,
-              "plain_loop_img_per_s": plain, "matmul_flop_per_s": peaks, "checks": results,
+              "plain_loop_img_per_s": plain, "matmul_flop_per_s": peaks,
+              "fp32_math": "TF32" if tools.uses_tf32(device) else "fp32", "checks": results,
               "other_work_cpu_share": other_work.share()}
     report["noise"] = noise_note(plain["fp32"], report["other_work_cpu_share"])
     write_json(output_dir / "benchmark.json", report)

@@ -8,12 +8,19 @@ machine problem that a minute of checks shows. In order:
 - devices: the GPUs torch sees; nvidia-smi listing GPUs that torch does not see is a failure;
 - topology: `nvidia-smi topo -m` (NV# = NVLink; PIX, PXB, PHB, NODE, SYS = PCIe paths, each
   longer than the one before) and the GPU pairs torch reports peer-to-peer access for;
-- copies: a known pattern copied between every ordered pair of GPUs and compared on arrival.
-  Broken peer-to-peer copies (an IOMMU or PCIe ACS in the way) return wrong data without an error:
-  the source articles' DataParallel loss turned NaN in the first epoch on two PCIe GPUs;
+- copies and NCCL transfers: what DataParallel moves between GPUs, compared on arrival, in a child
+  process that is killed when a step hangs (--timeout): a known pattern copied between every ordered
+  pair of GPUs, as its scatter and gather copy, and broadcast from the first GPU and summed onto it
+  with the NCCL calls of its weight broadcast and gradient sum. Broken peer-to-peer (an IOMMU or
+  PCIe ACS in the way) returns wrong data without an error, or hangs: the source articles'
+  DataParallel loss turned NaN in the first epoch on two PCIe GPUs;
 - all-reduce: one process per GPU sums a known pattern over NCCL, the way DDP averages gradients;
   the sum is verified exactly on every process and timed. Bus bandwidth = 2 (n - 1) / n x bytes /
   time, the figure nccl-tests reports, comparable across GPU counts.
+On 2 or more GPUs a verdict follows, one line per strategy. NCCL_P2P_DISABLE=1 moves NCCL's traffic
+off peer-to-peer (DDP's all-reduce, DataParallel's broadcast and gradient sum), not DataParallel's
+scatter and gather copies: with broken copies and NCCL_P2P_DISABLE=1 set, DataParallel stays unusable
+and DDP is fine when its all-reduce passes.
 Without GPUs it says so and runs the all-reduce on the CPU instead: 2 processes on gloo, the
 path that DDP (scripts/train_ddp.py) takes on a CPU-only machine.
 
@@ -41,12 +48,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.tools import synchronize
-from common.parallel import broken_peer_copies
+from common.parallel import PeerCheckFailed, data_parallel_transfers, run_transfer_check
 
-P2P_ADVICE = ("DataParallel (scripts/train_dp.py) copies directly between GPUs, so do not use it here; train "
-              "with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py, and ask for the IOMMU "
-              "(intel_iommu=off / amd_iommu=off, or iommu=pt) or PCIe ACS to be turned off; see "
-              "`nvidia-smi topo -m`")
+P2P_ADVICE = ("do not use DataParallel (scripts/train_dp.py) here: its scatter and gather copy directly between "
+              "GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 accelerate launch ... "
+              "scripts/train_ddp.py, and ask for the IOMMU (intel_iommu=off / amd_iommu=off, or iommu=pt) or "
+              "PCIe ACS to be turned off; see `nvidia-smi topo -m`")
+COPIES, NCCL_TRANSFERS = "copies between GPUs", "NCCL broadcast and reduce_add (DataParallel's weights and gradients)"
 NCCL_ADVICE = ("run again with NCCL_DEBUG=INFO to see the transport NCCL picked; try NCCL_P2P_DISABLE=1 (broken "
                "peer-to-peer), NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1 (no InfiniBand), NCCL_SOCKET_IFNAME=<interface> "
                "(several network interfaces)")
@@ -78,7 +86,8 @@ def parse_args(argv=None):
                         help="size of the all-reduced tensor in MB of 10^6 bytes (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=20, help="timed all-reduces (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds before a stalled all-reduce counts as a hang (default: %(default)s)")
+                        help="seconds before a stalled transfer between GPUs (one step of the copy check, or "
+                             "the all-reduce) counts as a hang (default: %(default)s)")
     parser.add_argument("--cpu-processes", type=int, default=2,
                         help="processes of the gloo all-reduce on a machine without GPUs (default: %(default)s)")
     return parser.parse_args(argv)
@@ -148,14 +157,51 @@ def check_topology(count: int) -> Check:
     return Check("topology", None, detail + ("\n" + matrix if matrix else "; `nvidia-smi topo -m` not available"))
 
 
-def check_pair_copies(devices: list[torch.device]) -> Check:
-    """A known pattern copied between every ordered pair, as DataParallel's scatter and gather copy."""
-    bad = [f"{source} -> {target}" for source, target in broken_peer_copies(devices)]
+def check_transfers(devices: list[torch.device], timeout: float, check=data_parallel_transfers) -> list[Check]:
+    """What DataParallel moves between GPUs (common.parallel.data_parallel_transfers, or ``check``), in
+    a child process killed when one step takes over ``timeout`` seconds: its scatter and gather
+    copies, then its NCCL broadcast and reduce_add."""
+    try:
+        copies, nccl = run_transfer_check(devices, timeout, check)
+    except PeerCheckFailed as failure:  # named by the step it stopped in: the steps say "NCCL's ..."
+        return [Check(NCCL_TRANSFERS if "NCCL" in (failure.step or "") else COPIES, False, str(failure), P2P_ADVICE)]
+    bad = [f"{source} -> {target}" for source, target in copies]
     pairs = len(devices) * (len(devices) - 1)
-    if bad:
-        return Check("copies between GPUs", False, f"{len(bad)} of {pairs} copies returned wrong data: "
-                                                   f"{', '.join(bad)}", P2P_ADVICE)
-    return Check("copies between GPUs", True, f"all {pairs} ordered pairs copied 4 MiB intact")
+    checks = [Check(COPIES, False, f"{len(bad)} of {pairs} copies returned wrong data: {', '.join(bad)}", P2P_ADVICE)
+              if bad else Check(COPIES, True, f"all {pairs} ordered pairs copied 4 MiB intact")]
+    if nccl:
+        advice = (NCCL_ADVICE if os.environ.get("NCCL_P2P_DISABLE") == "1" else
+                  "try NCCL_P2P_DISABLE=1 and run this check again; if that fixes it, NCCL's peer-to-peer path is "
+                  "broken: set it for every run")
+        return checks + [Check(NCCL_TRANSFERS, False, "wrong data from " + ", ".join(nccl), advice)]
+    return checks + [Check(NCCL_TRANSFERS, True, f"4 MiB broadcast from {devices[0]} to every GPU and summed onto "
+                                                 f"it, exact")]
+
+
+def verdict(transfers: list[Check], allreduce: Check) -> list[str]:
+    """Which multi-GPU strategy to train with on this machine, one line each, from the checks of
+    DataParallel's transfers (check_transfers) and of DDP's all-reduce, under the NCCL_P2P_DISABLE
+    in effect: it moves NCCL's traffic off peer-to-peer, not DataParallel's scatter and gather copies."""
+    p2p_off = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    failed = [check.name for check in transfers if check.ok is False]
+    copies_broken = COPIES in failed
+    if not failed:
+        dp = "OK"
+    elif copies_broken and p2p_off:
+        dp = ("do not use: its scatter and gather copy directly between GPUs, and those copies fail; "
+              "NCCL_P2P_DISABLE=1 (set now) does not change them")
+    else:
+        dp = f"do not use: {' and '.join(failed)} failed"
+    if not allreduce.ok:
+        ddp = "do not use: the all-reduce failed" + (" even with NCCL_P2P_DISABLE=1" if p2p_off else "")
+    elif p2p_off:
+        ddp = "OK with NCCL_P2P_DISABLE=1, as set now"
+    elif copies_broken:
+        ddp = ("the all-reduce passed, but copies between GPUs fail: train with NCCL_P2P_DISABLE=1 and run this "
+               "check again with it set")
+    else:
+        ddp = "OK"
+    return [f"verdict: DataParallel (train_dp.py): {dp}", f"verdict: DDP (train_ddp.py, train_amp.py): {ddp}"]
 
 
 def free_port() -> int:
@@ -239,14 +285,17 @@ def main(args) -> int:
         checks.append(check_topology(count))
         print(checks[-1], flush=True)
     if count > 1:
-        checks.append(check_pair_copies([torch.device("cuda", i) for i in range(count)]))
-        print(checks[-1], flush=True)
+        transfers = check_transfers([torch.device("cuda", i) for i in range(count)], args.timeout)
+        print(*transfers, sep="\n", flush=True)
+        checks += transfers
         checks.append(check_allreduce(count, "nccl", args.size_mb, args.iters, args.timeout))
     elif count == 1:
         checks.append(Check("all-reduce", None, "one GPU: nothing to copy or reduce between GPUs"))
     else:
         checks.append(check_allreduce(args.cpu_processes, "gloo", args.size_mb, args.iters, args.timeout))
     print(checks[-1], flush=True)
+    if count > 1:
+        print(*verdict(transfers, checks[-1]), sep="\n", flush=True)
     failed = [c.name for c in checks if c.ok is False]
     print(f"check_gpus: {len(failed)} check(s) failed: {', '.join(failed)}" if failed else
           "check_gpus: every check passed", flush=True)

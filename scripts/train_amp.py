@@ -36,7 +36,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.batches import BatchTransform, channel_stats, on_device, tensor_loader
 from common.checkpoint import (
     TrainProgress,
     check_resume_config,
@@ -55,14 +55,16 @@ from common.evaluation import evaluate
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
+    NonFiniteGuard,
+    SkippedSteps,
     check_batch_split,
     check_gpus_per_node,
     check_world_size,
     choose_mixed_precision,
     peak_memory,
-    stop_if_not_finite,
+    set_numerics,
 )
-from common.tracking import StepLogger, log_line, start_tracking, track
+from common.tracking import DataWait, StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
 EVALUATION = ("classes", "image_size", "normalization", "mixed_precision")  # into model.safetensors
@@ -73,9 +75,9 @@ def parse_args(argv=None):
     parser = build_parser(__doc__)
     parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
-    parser.add_argument("--dist-timeout", type=float, default=60,  # DDP: a stalled process fails the job
-                        help="seconds a process waits for the others in a collective before the job fails; "
-                             "a stalled process ends the job instead of hanging it (default: %(default)s)")
+    parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stalled process fails the job
+                        help="seconds a process waits for the others in a collective before the job fails: a "
+                             "stalled process ends the job instead of hanging it (default: %(default)s, as NCCL)")
     parser.add_argument("--mixed-precision", choices=("fp16", "bf16"), default=None,  # AMP: the 16-bit format
                         help="16-bit format (default: the Accelerate config's, else bf16; fp16 on pre-Ampere GPUs)")
     args = parser.parse_args(argv)
@@ -97,6 +99,8 @@ def main(args):
                                                   split_batches=True),  # DDP: each process takes a slice
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],  # DDP: fail, not hang
     )
+    # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
     check_batch_split(args.batch_size, accelerator.num_processes, "processes")  # DDP: equal slices
     per_device_batch = args.batch_size // accelerator.num_processes  # DDP: the slice of each process
@@ -114,11 +118,10 @@ def main(args):
                         f"training images: use a smaller --batch-size")
     transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
                                channels_last=args.channels_last)
-    device = accelerator.device  # the whole dataset lives on the device: no copy per batch
-    train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
-                                 args.batch_size, shuffle=True, seed=args.seed)
-    test_loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device),
-                                args.batch_size, shuffle=False)
+    device = accelerator.device
+    data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
+    train_loader = tensor_loader(data.train_images, data.train_labels, args.batch_size, shuffle=True, seed=args.seed)
+    test_loader = tensor_loader(data.test_images, data.test_labels, args.batch_size, shuffle=False)
 
     # ------------------------------------------------------------- model, optimizer, schedule
     model = build_model(args.model, num_classes=len(data.classes))
@@ -140,7 +143,7 @@ def main(args):
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(device),
+        "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
         "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "mixed_precision": precision,  # AMP: the 16-bit format of this run
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
@@ -159,11 +162,14 @@ def main(args):
     stop_step = min(total_steps, args.max_steps or total_steps)
     accelerator.print(f"{SCRIPT}: {precision} {args.model} on {accelerator.num_processes} x {device}, "  # AMP: format
                       f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
+                      f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
+    data_wait, guard = DataWait(device), NonFiniteGuard(accelerator, output_dir)
+    skipped = SkippedSteps(accelerator, output_dir)  # AMP: fp16 stops after 100 skipped steps in a row
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step:
             break
@@ -171,23 +177,24 @@ def main(args):
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
         batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
-        loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
-        skipped_steps = 0  # AMP: fp16 steps skipped because the gradients overflowed
-        start = tick = time.perf_counter()
+        loss_sum, trained = torch.zeros((), device=device), 0
+        skipped.in_epoch = 0  # AMP: fp16 steps skipped because the gradients overflowed
+        start = time.perf_counter()
+        data_wait.start()
         for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                                    disable=not accelerator.is_main_process):
             # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
             # DDP: and from the process index, so the processes do not flip and crop alike.
             images = transform.train(images, seed=(args.seed, progress.step, accelerator.process_index))
-            data_wait += time.perf_counter() - tick
+            data_wait.stop()
             loss = criterion(model(images), labels)
-            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
+            guard.check(loss, progress.step + 1)  # NaN or inf: all processes stop, nothing of it saved
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
                 accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
-            skipped_steps += accelerator.optimizer_step_was_skipped  # AMP: fp16 skips a step that overflowed
+            skipped.count(progress.step + 1)  # AMP: fp16 skips a step that overflowed
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             progress.step += 1
@@ -199,8 +206,10 @@ def main(args):
                 break
             if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+                guard.flush()  # this step's loss is known to be finite before the step is saved
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-            tick = time.perf_counter()
+            data_wait.start()
+        guard.flush()  # the epoch's last loss, before anything of the epoch is recorded
         # .item() waits for the device, so the epoch time below is true.
         train_loss = accelerator.reduce(loss_sum, "mean").item() / trained  # DDP: the mean over processes
         epoch_time = time.perf_counter() - start
@@ -213,9 +222,10 @@ def main(args):
         metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
-                   "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
+                   "img_per_s": trained * args.batch_size / epoch_time,
+                   "data_wait_frac": data_wait.seconds() / epoch_time}
         if accelerator.scaler is not None:  # AMP: fp16 only
-            metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped_steps)
+            metrics.update(loss_scale=accelerator.scaler.get_scale(), skipped_steps=skipped.in_epoch)
         metrics.update(peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.batches import BatchTransform, channel_stats, on_device, tensor_loader
 from common.checkpoint import (
     TrainProgress,
     check_resume_config,
@@ -48,8 +48,13 @@ from common.errors import UserError
 from common.evaluation import evaluate
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
-from common.parallel import peak_memory, require_single_process, stop_if_not_finite
-from common.tracking import StepLogger, log_line, start_tracking, track
+from common.parallel import (
+    NonFiniteGuard,
+    peak_memory,
+    require_single_process,
+    set_numerics,
+)
+from common.tracking import DataWait, StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
 EVALUATION = ("classes", "image_size", "normalization", "mixed_precision")  # into model.safetensors
@@ -73,6 +78,8 @@ def main(args):
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
+    # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
     per_device_batch = args.batch_size  # one device takes the whole batch
     set_seed(args.seed)
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
@@ -86,11 +93,10 @@ def main(args):
                         f"training images: use a smaller --batch-size")
     transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
                                channels_last=args.channels_last)
-    device = accelerator.device  # the whole dataset lives on the device: no copy per batch
-    train_loader = tensor_loader(data.train_images.to(device), data.train_labels.to(device),
-                                 args.batch_size, shuffle=True, seed=args.seed)
-    test_loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device),
-                                args.batch_size, shuffle=False)
+    device = accelerator.device
+    data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
+    train_loader = tensor_loader(data.train_images, data.train_labels, args.batch_size, shuffle=True, seed=args.seed)
+    test_loader = tensor_loader(data.test_images, data.test_labels, args.batch_size, shuffle=False)
 
     # ------------------------------------------------------------- model, optimizer, schedule
     model = build_model(args.model, num_classes=len(data.classes))
@@ -110,7 +116,7 @@ def main(args):
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(device),
+        "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
         "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
@@ -128,11 +134,13 @@ def main(args):
     stop_step = min(total_steps, args.max_steps or total_steps)
     accelerator.print(f"{SCRIPT}: {args.model} on {device}, "
                       f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
+                      f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
                       f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
+    data_wait, guard = DataWait(device), NonFiniteGuard(accelerator, output_dir)
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step:
             break
@@ -140,15 +148,16 @@ def main(args):
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
         batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
-        loss_sum, trained, data_wait = torch.zeros((), device=device), 0, 0.0
-        start = tick = time.perf_counter()
+        loss_sum, trained = torch.zeros((), device=device), 0
+        start = time.perf_counter()
+        data_wait.start()
         for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                                    disable=not accelerator.is_main_process):
             # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
             images = transform.train(images, seed=(args.seed, progress.step))
-            data_wait += time.perf_counter() - tick
+            data_wait.stop()
             loss = criterion(model(images), labels)
-            stop_if_not_finite(accelerator, loss, progress.step + 1, output_dir)  # all processes alike
+            guard.check(loss, progress.step + 1)  # NaN or inf: all processes stop, nothing of it saved
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
@@ -165,8 +174,10 @@ def main(args):
                 break
             if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
                     and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+                guard.flush()  # this step's loss is known to be finite before the step is saved
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-            tick = time.perf_counter()
+            data_wait.start()
+        guard.flush()  # the epoch's last loss, before anything of the epoch is recorded
         # .item() waits for the device, so the epoch time below is true.
         train_loss = loss_sum.item() / trained
         epoch_time = time.perf_counter() - start
@@ -179,7 +190,8 @@ def main(args):
         metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
                    "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
-                   "img_per_s": trained * args.batch_size / epoch_time, "data_wait_frac": data_wait / epoch_time}
+                   "img_per_s": trained * args.batch_size / epoch_time,
+                   "data_wait_frac": data_wait.seconds() / epoch_time}
         metrics.update(peak_memory(accelerator))  # GPUs: each process's peak this epoch
         progress.history.append(metrics)
         if accelerator.is_main_process:

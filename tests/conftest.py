@@ -2,6 +2,10 @@ import pytest
 from helpers import TINY, run
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one (make gpu-check runs them)")
+
+
 @pytest.fixture(scope="session")
 def full_run(tmp_path_factory):
     """One uninterrupted 3-epoch train_single run, tracked offline, shared by several test files."""

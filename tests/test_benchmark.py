@@ -13,13 +13,14 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import types
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import ROOT, make
 from PIL import Image
-
-import common.parallel
 
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
         "--checks", "overhead", "data", "precision", "compute", "--loader-images", "256", "--matmul-size", "256",
@@ -141,6 +142,117 @@ def test_gpu_rows_follow_the_gpu_count(monkeypatch):
     assert rows["ddp4-bf16"].flags == ("--mixed-precision", "bf16") and rows["dp"].launcher() == [sys.executable]
 
 
+# ------------------------------------------------------------ GPU memory and matmul peaks, faked
+
+SMI_4_GPUS = [("0", "GPU-aaaa1111"), ("1", "GPU-bbbb2222"), ("2", "GPU-cccc3333"), ("3", "GPU-dddd4444")]
+
+
+def fake_nvidia_smi(monkeypatch, mib_used=lambda: [100] * 4, error=None):
+    """subprocess.run answering nvidia-smi's index,uuid,memory.used query for the 4 GPUs of
+    SMI_4_GPUS with the MiB in use that ``mib_used()`` gives, or raising ``error``."""
+
+    def run(command, **kwargs):
+        assert command[:2] == ["nvidia-smi", "--query-gpu=index,uuid,memory.used"] and kwargs["timeout"]
+        if error:
+            raise error
+        lines = [f"{index}, {uuid}, {mib}" for (index, uuid), mib in zip(SMI_4_GPUS, mib_used())]
+        return subprocess.CompletedProcess(command, 0, "\n".join(lines) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "nvidia-smi"),
+                                   subprocess.CalledProcessError(9, "nvidia-smi"),
+                                   subprocess.TimeoutExpired("nvidia-smi", 30)])
+def test_a_missing_or_failing_nvidia_smi_leaves_memory_to_the_scripts(monkeypatch, tmp_path, error):
+    from bench import tools
+    benchmark = load_script("benchmark")
+    fake_nvidia_smi(monkeypatch, error=error)
+    watcher = tools.PeakMemory(2, interval=0.01)
+    assert watcher.stop() == [] and watcher.error.startswith(f"nvidia-smi failed ({type(error).__name__}")
+    assert "as nvidia-smi failed here" in benchmark.memory_protocol(2)
+    # A row on one GPU, its launches faked: the script's own gpu_mem_peak_gb stands in for nvidia-smi,
+    # and this process's cached GPU memory is released before every launch.
+    emptied, launches, run_watched = [], [], tools.run_watched
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def launched(command, cwd, gpus, timeout, env=None):
+        assert gpus == 1 and len(emptied) == len(launches) + 1
+        output_dir = Path(command[command.index("--output-dir") + 1])
+        output_dir.mkdir()
+        (output_dir / "metrics.jsonl").write_text(json.dumps(
+            {"step": 5, "epoch_time_s": 1.0, "data_wait_frac": 0.01, "gpu_mem_peak_gb": [1.5 + len(launches)]}))
+        steps = command[command.index("bench.steptimer") + 1]
+        Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1 * i for i in range(5)], "peak_rss_gb": 2}))
+        launches.append(command)
+        return run_watched([sys.executable, "-c", "pass"], cwd, gpus, timeout)  # the real watcher
+
+    monkeypatch.setattr(tools, "run_watched", launched)
+    args = benchmark.parse_args(["--steps", "3", "--repeats", "2"])
+    row = benchmark.measure(benchmark.available_strategies(1)["single"], args, 16, 3, 1, tmp_path)
+    assert "error" not in row and len(launches) == 2 and len(emptied) == 2
+    assert row["peak_memory_gb"] == [2.5] and row["memory_kind"] == "GPU, torch max_memory_allocated"
+    assert all(run["memory_error"].startswith("nvidia-smi failed") for run in row["runs"])
+    # Neither nvidia-smi nor the scripts: the memory is unknown, not a crash.
+    assert benchmark.peak_memory([{"peak_memory_gb": [], "torch_peak_memory_gb": []}], 1) == ([], "unknown")
+    assert tools.row_cells({**row, "peak_memory_gb": [], "memory_kind": "unknown"})[4] == "-"
+
+
+def test_cuda_visible_devices_pick_the_physical_gpus_nvidia_smi_watches(monkeypatch):
+    from bench import tools
+    launched, sampled = threading.Event(), threading.Event()
+
+    def used():  # 100 MiB each before the launch; then GPU 0 (another job's) +10 GiB, GPU 2 +1 GiB, GPU 3 +3 GiB
+        if not launched.is_set():
+            return [100] * 4
+        sampled.set()
+        return [10340, 100, 1124, 3172]
+
+    fake_nvidia_smi(monkeypatch, used)
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert [gpu[0] for gpu in tools.nvidia_smi_gpus(env)] == ["2", "3"]
+    assert tools.describe_gpus(tools.nvidia_smi_gpus(env), env) == (
+        "GPUs as the processes number them: cuda:0 = nvidia-smi's GPU 2, cuda:1 = nvidia-smi's GPU 3 "
+        "(CUDA_VISIBLE_DEVICES=2,3)")
+    watcher = tools.PeakMemory(2, interval=0.01, env=env)
+    launched.set()
+    assert sampled.wait(10)
+    assert watcher.stop() == [round(2**30 / tools.GB, 3), round(3 * 2**30 / tools.GB, 3)]  # cuda:0, cuda:1
+    # UUIDs, whole or a unique start, in the variable's order; CUDA stops at the first entry naming no GPU.
+    listed = [(index, uuid, 0) for index, uuid in SMI_4_GPUS]
+    assert [gpu[0] for gpu in tools.visible_gpus(listed, "GPU-dddd4444,GPU-bbbb")] == ["3", "1"]
+    assert [gpu[0] for gpu in tools.visible_gpus(listed, "1, 3,7,0")] == ["1", "3"]
+    assert tools.visible_gpus(listed, "") == [] and tools.visible_gpus(listed, None) == listed
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0f1e2d3c")  # nvidia-smi tells no MIG slice's memory
+    assert tools.PeakMemory(1).error.startswith("nvidia-smi failed (ValueError")
+
+
+def test_matmul_peak_runs_many_matmuls_per_timing_in_the_requested_precision(monkeypatch):
+    from bench import tools
+    events, clock = [], [0.0]
+
+    def mm(a, b):  # 1 ms of fake device time a matmul, and the TF32 settings it ran under
+        clock[0] += 0.001
+        events.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(tools, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(tools, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    for tf32_math, settings in ((True, (True, True)), (False, (False, False)), (None, before)):
+        events.clear()
+        flops = tools.matmul_peak(torch.device("cpu"), size=64, repeats=3, tf32_math=tf32_math)
+        assert {e for e in events if e != "sync"} == {settings}
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+        # Matmuls between two synchronisations: a warm-up, doubled until a timing takes 25 ms, then 2 more.
+        timings = "".join("|" if e == "sync" else "m" for e in events).strip("|").split("||")
+        assert [len(t) for t in timings] == [1, 1, 2, 4, 8, 16, 32, 32, 32]
+        assert flops == pytest.approx(2 * 64**3 * 32 / 0.032)
+    with pytest.raises(RuntimeError), tools.tf32(True):  # restored when the block fails too
+        raise RuntimeError
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
 # ----------------------------------------------------------------------------- check_gpus.py
 
 def test_check_gpus_on_a_cpu_verifies_a_gloo_all_reduce():
@@ -163,23 +275,6 @@ def test_check_gpus_fails_with_advice_when_the_sum_is_wrong(tmp_path):
     assert ("FAIL  all-reduce, 2 processes on gloo: wrong sums (process 0: 1 of 250000, process 1: 1 of 250000 "
             "values differ from the known answer)") in done.stdout
     assert "      try: " in done.stdout and "check_gpus: 1 check(s) failed" in done.stdout
-
-
-def test_a_broken_gpu_to_gpu_copy_is_named_with_advice(monkeypatch):
-    check_gpus = load_script("check_gpus")
-    gpus = [torch.device("cuda", i) for i in range(3)]  # only names: the patched copy never touches a GPU
-    monkeypatch.setattr(common.parallel, "peer_copy", lambda values, source, target: values.clone())
-    assert check_gpus.check_pair_copies(gpus).ok is True
-
-    def broken(values, source, target):  # GPU 2 receives stale data, as through a broken IOMMU
-        return torch.zeros_like(values) if target.index == 2 else values.clone()
-
-    monkeypatch.setattr(common.parallel, "peer_copy", broken)
-    result = check_gpus.check_pair_copies(gpus)
-    assert result.ok is False
-    assert result.detail == "2 of 6 copies returned wrong data: cuda:0 -> cuda:2, cuda:1 -> cuda:2"
-    assert "NCCL_P2P_DISABLE=1" in result.advice and "train_ddp.py" in result.advice
-    assert str(result).startswith("FAIL  copies between GPUs:") and "\n      try: " in str(result)
 
 
 def test_gpus_that_torch_cannot_see_are_a_failure(monkeypatch):

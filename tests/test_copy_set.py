@@ -44,7 +44,7 @@ def test_common_is_at_most_ten_modules_all_used_by_the_training_scripts():
 def test_only_the_benchmark_and_the_machine_check_use_bench():
     users = {p.relative_to(ROOT).as_posix() for folder in ("common", "scripts") for p in (ROOT / folder).glob("*.py")
              if any(m.startswith("bench") for m in imported_modules(p))}
-    assert users == {"scripts/benchmark.py", "scripts/check_gpus.py"}
+    assert users == {"scripts/benchmark.py", "scripts/check_gpus.py", "scripts/gpu_check.py"}
 
 
 def test_a_copied_script_runs_with_common_alone(tmp_path):

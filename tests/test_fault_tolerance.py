@@ -110,7 +110,7 @@ def test_ddp_stop_and_resume_by_hand(uninterrupted, tmp_path):
 
 def test_single_killed_and_resumed_by_hand(tmp_path):
     reference = tmp_path / "reference"
-    single = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS]
+    single = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
     run(single, tmp_path, "--output-dir", reference)
 
     out = tmp_path / "run"

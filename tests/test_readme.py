@@ -20,6 +20,7 @@ RUNS = {
     "ddp": ({"NPROC": "2", "OUTPUT_DIR": "{tmp}/ddp", "ARGS": f"{TINY_DATA} --epochs 1 --max-steps 2 --report-to none"},
             "ddp/model.safetensors"),
     "bench": ("elsewhere", None),  # tests/test_benchmark.py runs its benchmark through `make bench`
+    "gpu-check": ("elsewhere", None),  # tests/test_gpu.py: its one line without a GPU, all of it on GPUs
     "test": (None, None),
     "diffs": (None, None),
 }

@@ -40,10 +40,16 @@ def test_offline_without_a_key_and_the_run_matches_metrics_jsonl(full_run):
             assert row[key] == pytest.approx(metrics[key], rel=1e-12), key
 
 
-def test_a_tracking_failure_does_not_stop_training(tmp_path):
+def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
+    """An API key and no route to the server: wandb gives up after its start-up timeout (the
+    scripts bound it at tracking.START_TIMEOUT, 60 s; 3 s here) and the run goes on without it."""
     out = tmp_path / "run"
-    done = run("train_single.py", *SMALL, "--epochs", 1, "--output-dir", out, env_extra={"WANDB_MODE": "bogus"})
-    assert "warning: wandb did not start" in done.stdout and "training goes on without tracking" in done.stdout
+    done = run("train_single.py", *SMALL, "--epochs", 1, "--output-dir", out,
+               env_extra={"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_MODE": "online",
+                          "WANDB_INIT_TIMEOUT": "3"})
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: wandb did not start (")
+    assert warnings[0].endswith("); training goes on without tracking")
     assert (out / "model.safetensors").exists()
 
 

@@ -13,10 +13,9 @@ import torch
 from accelerate import Accelerator
 from helpers import DATA, ROOT, run, weights
 
-import common.parallel
 from common.errors import UserError
 from common.models import build_model
-from common.parallel import check_batch_split, check_peer_copies, data_parallel_devices, memory_report
+from common.parallel import check_batch_split, data_parallel_devices, memory_report
 from common.tracking import log_line
 
 # DATA with fewer images (the last value of a flag wins): 16 steps an epoch at batch 32, of which the runs
@@ -130,29 +129,6 @@ def test_batch_must_divide_by_the_gpu_count(monkeypatch):
     assert error.value.message == "--batch-size 64 does not divide by 3 visible GPUs: use 63 or 66"
     with pytest.raises(UserError, match="use 2 or more$"):
         check_batch_split(1, 2, "processes")  # never suggests 0
-
-
-def test_peer_copy_check_names_the_broken_pair(monkeypatch):
-    devices = fake_gpus(monkeypatch, 3)
-    copies = []
-
-    def intact(values, source, target):
-        copies.append((str(source), str(target)))
-        return values.clone()
-
-    monkeypatch.setattr(common.parallel, "peer_copy", intact)
-    check_peer_copies(devices)
-    assert sorted(copies) == [(f"cuda:{a}", f"cuda:{b}") for a in range(3) for b in range(3) if a != b]
-
-    def broken(values, source, target):  # what an IOMMU in the way delivers: the right size, wrong data
-        return torch.zeros_like(values) if (source.index, target.index) == (1, 2) else values.clone()
-
-    monkeypatch.setattr(common.parallel, "peer_copy", broken)
-    with pytest.raises(UserError) as error:
-        check_peer_copies(devices)
-    message = error.value.message
-    assert "cuda:1 -> cuda:2" in message and "NCCL_P2P_DISABLE=1" in message and "train_ddp.py" in message
-    assert "\n" not in message
 
 
 def test_memory_report_has_one_value_per_gpu_and_nothing_on_cpu(monkeypatch):

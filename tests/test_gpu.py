@@ -1,0 +1,438 @@
+"""On GPUs (the `gpu` marker): every training script on every path it has, on 1 GPU and on all visible
+GPUs, compared with what it must agree with. `make gpu-check` (scripts/gpu_check.py) runs them and puts
+the figures each one records into its report; by hand: `pytest -m gpu tests/test_gpu.py [-k NAME]`.
+Without CUDA every `gpu` test is skipped, not failed, and so is each multi-GPU test on fewer than 2 GPUs.
+
+Pass criteria (quoted in the report with each check's figures):
+- learns: 3 epochs of the suite's tiny run (ResNet-20, 1,024 synthetic images) reach test_acc > 0.4
+  (chance 0.1; 0.48-0.52 on CPUs) with a finite loss, and evaluate.py on the saved weights alone gives
+  the logged accuracy within 1 test image (it picks its own kernels and runs fp32 matmuls without TF32);
+- agreement: N-GPU DDP, DataParallel and DDP with --sync-bn end 5 steps (lr 0.001, no augmentation,
+  --no-tf32 --deterministic) within 1e-4 of one GPU, largest absolute weight difference (the CPU suite
+  holds 1e-5; GPU kernels' reduction order depends on the batch per GPU), and plain DDP, whose
+  BatchNorm sees only its own slice, does not (negative control);
+- resume: stopped in the middle of epoch 2 and resumed with --resume, --deterministic, the final
+  weights equal the uninterrupted run's bit for bit;
+- TF32: on compute capability 8.0 and newer, --tf32 and --no-tf32 train different weights;
+- compile: --compile (TorchInductor) trains within 1e-3 of eager after 5 steps at lr 0.01, without TF32;
+- check_gpus.py passes every check.
+The tests at the end need no GPU: gpu_check's one line without CUDA, and its report writer.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from helpers import DATA, ROOT, TINY, run, weights
+
+from common.batches import BatchTransform, on_device, tensor_loader
+from common.data import make_synthetic
+from common.models import build_model
+from common.parallel import NonFiniteGuard
+from common.tracking import DataWait
+
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+GPUS = torch.cuda.device_count()
+NATIVE_BF16 = GPUS > 0 and torch.cuda.is_bf16_supported(including_emulation=False)
+HAS_TF32 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": gpu_check.first_visible_gpu()}
+ACCELERATE = (str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", str(GPUS))
+FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
+ALL_BATCH = math.lcm(64, max(GPUS, 1))  # the tiny run's batch, or the next that divides by the GPUs
+LEARNED, EVAL_IMAGES, AGREE_TOL, COMPILE_TOL = 0.4, 1, 1e-4, 1e-3
+CPU_TESTS = {"test_gpu_tests_carry_the_marker", "test_without_cuda_make_gpu_check_says_so_in_one_line",
+             "test_the_report_renders_fabricated_results"}
+
+
+def gpu(count: int = 1):
+    """The `gpu` marker, and a skip with its reason where fewer than ``count`` GPUs are visible."""
+    def mark(test):
+        reason = f"needs {count} CUDA GPU{'s' if count > 1 else ''}, {GPUS} visible"
+        return pytest.mark.gpu(pytest.mark.skipif(GPUS < count, reason=reason)(test))
+    return mark
+
+
+@pytest.fixture
+def record(request):
+    """Figures for gpu_check's report: one JSON line per call, in $GPU_CHECK_RESULTS when it is set."""
+    def write(**figures):
+        if os.environ.get(gpu_check.RESULTS_ENV):
+            with open(os.environ[gpu_check.RESULTS_ENV], "a") as f:
+                f.write(json.dumps({"test": request.node.name, **figures}) + "\n")
+    return write
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def config(out: Path) -> dict:
+    return json.loads((out / "config.json").read_text())
+
+
+def table_widths(markdown: str) -> list[set[int]]:
+    """For each markdown table, the numbers of cell borders (unescaped |) its lines have."""
+    tables, current = [], None
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        if current is None:
+            current = set()
+            tables.append(current)
+        current.add(len(re.findall(r"(?<!\\)\|", line)))
+    return tables
+
+
+def max_difference(a, b) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# ------------------------------------------------------------------ every script on every path
+
+# name: (script, GPUs: 1 or "all", flags). 1-GPU runs see only the first visible GPU; "all" runs
+# launch one process per GPU (train_dp.py: one process driving them all).
+CASES = {
+    "train_single-tf32": ("train_single.py", 1, ("--deterministic",)),
+    "train_single-fp32": ("train_single.py", 1, ("--deterministic", "--no-tf32")),
+    "train_dp-1gpu": ("train_dp.py", 1, ("--deterministic",)),
+    "train_ddp-1gpu": ("train_ddp.py", 1, ("--deterministic",)),
+    "train_amp-fp16": ("train_amp.py", 1, ("--deterministic", "--mixed-precision", "fp16")),
+    "train_amp-bf16": ("train_amp.py", 1, ("--deterministic", "--mixed-precision", "bf16")),
+    "train_amp-bf16-compile": ("train_amp.py", 1, ("--mixed-precision", "bf16", "--compile")),
+    "train_dp-all": ("train_dp.py", "all", ("--deterministic",)),
+    "train_ddp-all-sync-bn": ("train_ddp.py", "all", ("--deterministic", "--sync-bn")),
+    "train_ddp-all-compile": ("train_ddp.py", "all", ("--compile",)),
+    "train_amp-all-fp16-sync-bn": ("train_amp.py", "all", ("--deterministic", "--mixed-precision", "fp16",
+                                                           "--sync-bn")),
+    "train_amp-all-bf16-sync-bn": ("train_amp.py", "all", ("--deterministic", "--mixed-precision", "bf16",
+                                                           "--sync-bn")),
+}
+
+
+def launcher(script: str, all_gpus: bool) -> tuple[str, ...]:
+    """One process per GPU through accelerate launch; train_dp.py drives every GPU from one."""
+    return ACCELERATE if all_gpus and script != "train_dp.py" else (sys.executable,)
+
+
+def case(name: str):
+    """A CASES entry as a pytest parameter, skipped where this machine cannot run it."""
+    script, gpus, flags = CASES[name]
+    marks = []
+    if gpus == "all":
+        marks.append(pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible"))
+    if "bf16" in flags:
+        marks.append(pytest.mark.skipif(not NATIVE_BF16, reason="no native bf16 (compute capability below 8.0)"))
+    return pytest.param(name, marks=marks, id=name)
+
+
+def train(name: str, out: Path, *extra):
+    """The tiny run (16 steps an epoch) of a CASES entry; on all GPUs with the batch and the training
+    split scaled by ALL_BATCH / 64 (the same as 1 GPU's with 2, 4 or 8 GPUs)."""
+    script, gpus, flags = CASES[name]
+    size = ["--batch-size", 64] if gpus == 1 else ["--batch-size", ALL_BATCH, "--synthetic-train-size", 16 * ALL_BATCH]
+    return run(script, *TINY, *size, "--report-to", "none", *flags, *extra, "--output-dir", out,
+               launcher=launcher(script, gpus != 1), env_extra=ONE_GPU if gpus == 1 else None)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The run folder of a CASES entry, trained on first use."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(name) / "run"
+            train(name, out)
+            done[name] = out
+        return done[name]
+    return get
+
+
+@gpu()
+@pytest.mark.parametrize("name", [case(name) for name in CASES])
+def test_every_script_learns_and_evaluate_reproduces_it(trained, record, name):
+    out = trained(name)
+    logged, settings = metrics(out), config(out)
+    evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, env_extra=ONE_GPU)
+    found = re.match(r"test_acc=\S+ \((\d+)/(\d+)\)", evaluated.stdout)
+    assert found, evaluated.stdout
+    correct, total = int(found.group(1)), int(found.group(2))
+    logged_correct = round(logged["test_acc"] * logged["test_images"])
+    record(criterion=f"learns: test_acc > {LEARNED} and a finite loss after 3 epochs; evaluate.py within "
+                     f"{EVAL_IMAGES} test image of the logged accuracy",
+           test_acc=logged["test_acc"], train_loss=logged["train_loss"], evaluate_correct=correct,
+           logged_correct=logged_correct, test_images=total, img_per_s=round(logged["img_per_s"]),
+           world_size=settings["world_size"], **{k: v for k, v in logged.items() if k.startswith("gpu_mem")})
+    assert math.isfinite(logged["train_loss"]) and logged["test_acc"] > LEARNED, logged
+    assert total == logged["test_images"] and abs(correct - logged_correct) <= EVAL_IMAGES, evaluated.stdout
+    script, gpus, flags = CASES[name]
+    assert settings["world_size"] == (GPUS if gpus == "all" and script != "train_dp.py" else 1)
+    assert settings["args"]["deterministic"] == ("--deterministic" in flags)
+    assert settings["args"]["tf32"] == ("--no-tf32" not in flags)
+    if "--compile" in flags:
+        assert settings["args"]["compile"] == "inductor"
+    if script == "train_amp.py":
+        assert settings["mixed_precision"] == flags[flags.index("--mixed-precision") + 1]
+
+
+@gpu()
+@pytest.mark.skipif(GPUS > 0 and not HAS_TF32, reason="no TF32 below compute capability 8.0")
+def test_tf32_changes_fp32_math_and_no_tf32_turns_it_off(trained, record):
+    tf32, ieee = weights(trained("train_single-tf32")), weights(trained("train_single-fp32"))
+    difference = max_difference(tf32, ieee)
+    record(criterion="TF32: --tf32 and --no-tf32 train different weights (compute capability >= 8.0)",
+           max_abs_difference=difference)
+    assert difference > 0
+
+
+@gpu()
+@pytest.mark.parametrize("name", [case(name) for name in ("train_single-tf32", "train_dp-1gpu", "train_amp-fp16",
+                                                          "train_amp-bf16", "train_dp-all", "train_ddp-all-sync-bn",
+                                                          "train_amp-all-bf16-sync-bn")])
+def test_stop_and_resume_is_bit_for_bit(trained, record, tmp_path, name):
+    reference = trained(name)
+    steps = config(reference)["steps_per_epoch"]
+    stop = steps + steps // 2  # the middle of epoch 2
+    out = tmp_path / "run"
+    train(name, out, "--max-steps", stop)
+    done = train(name, out, "--resume")
+    ours, theirs = weights(out), weights(reference)
+    differing = [key for key in theirs if key not in ours or not torch.equal(ours[key], theirs[key])]
+    record(criterion="resume: stopped mid-epoch and resumed under --deterministic, the weights equal the "
+                     "uninterrupted run's bit for bit", stopped_at_step=stop, steps=metrics(reference)["step"],
+           differing_tensors=len(differing), tensors=len(theirs))
+    assert "resumed from" in done.stdout and f"step {stop}" in done.stdout
+    assert ours.keys() == theirs.keys() and not differing, differing[:5]
+
+
+# -------------------------------------------------------------- N GPUs against one, fixed steps
+
+AGREE_BATCH = 32 * max(GPUS, 1)
+AGREE = ["--dataset", "synthetic", "--synthetic-train-size", 8 * AGREE_BATCH, "--synthetic-test-size", 301,
+         "--model", "resnet20", "--batch-size", AGREE_BATCH, "--reference-batch-size", AGREE_BATCH, "--no-augment",
+         "--lr", 0.001, "--epochs", 1, "--max-steps", 5, "--report-to", "none", "--no-tf32", "--deterministic"]
+
+
+def agree_run(script: str, out: Path, *extra, frozen: bool, gpus: int):
+    """5 steps of AGREE on ``gpus`` GPUs, BatchNorm frozen (tests/frozen_bn.py) or not."""
+    run(script, *AGREE, *extra, "--output-dir", out,
+        launcher=(*launcher(script, gpus > 1), *([FROZEN_BN] if frozen else [])),
+        env_extra=ONE_GPU if gpus == 1 else None)
+    return weights(out)
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory):
+    """train_single's weights after AGREE on one GPU, by BatchNorm frozen or not, made on first use."""
+    done = {}
+
+    def get(frozen: bool):
+        if frozen not in done:
+            done[frozen] = agree_run("train_single.py", tmp_path_factory.mktemp("one-gpu") / "run", frozen=frozen,
+                                     gpus=1)
+        return done[frozen]
+    return get
+
+
+@gpu(2)
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_dp.py"])
+def test_all_gpus_match_one_gpu(one_gpu, record, tmp_path, script):
+    """DDP (one process per GPU) and DataParallel (which first checks the copies between GPUs) split
+    the batch and combine the gradients: with BatchNorm frozen nothing else differs from one GPU."""
+    ours = agree_run(script, tmp_path / "run", frozen=True, gpus=GPUS)
+    set_seed(0)
+    initial = build_model("resnet20", num_classes=10).state_dict()
+    difference, moved = max_difference(ours, one_gpu(True)), max_difference(ours, initial)
+    record(criterion=f"agreement: {GPUS} GPUs end 5 steps within {AGREE_TOL:g} of 1 GPU (largest absolute weight "
+                     f"difference; BatchNorm frozen, no augmentation, no TF32)", gpus=GPUS,
+           max_abs_difference=difference, moved_from_init=moved,
+           **{k: v for k, v in metrics(tmp_path / "run").items() if k.startswith("gpu_mem")})
+    assert difference < AGREE_TOL and moved > 1e-3
+
+
+@gpu(2)
+def test_sync_bn_matches_one_gpu_and_plain_ddp_does_not(one_gpu, record, tmp_path):
+    synced = agree_run("train_ddp.py", tmp_path / "sync", "--sync-bn", frozen=False, gpus=GPUS)
+    plain = agree_run("train_ddp.py", tmp_path / "plain", frozen=False, gpus=GPUS)
+    reference = one_gpu(False)
+    with_sync, without = max_difference(synced, reference), max_difference(plain, reference)
+    record(criterion=f"--sync-bn: {GPUS}-GPU DDP with SyncBatchNorm ends 5 steps within {AGREE_TOL:g} of 1 GPU; "
+                     f"without it (BatchNorm per GPU slice) it does not", gpus=GPUS,
+           max_abs_difference_sync_bn=with_sync, max_abs_difference_without=without)
+    assert with_sync < AGREE_TOL < without
+
+
+@gpu()
+def test_compile_trains_the_eager_weights(record, tmp_path):
+    flags = [*TINY, "--epochs", 1, "--max-steps", 5, "--lr", 0.01, "--no-tf32", "--report-to", "none"]
+    run("train_single.py", *flags, "--output-dir", tmp_path / "eager", env_extra=ONE_GPU)
+    run("train_single.py", *flags, "--compile", "--output-dir", tmp_path / "compiled", env_extra=ONE_GPU)
+    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    difference = max_difference(compiled, eager)
+    record(criterion=f"--compile: TorchInductor ends 5 steps (lr 0.01, no TF32) within {COMPILE_TOL:g} of eager",
+           max_abs_difference=difference)
+    assert config(tmp_path / "compiled")["args"]["compile"] == "inductor"
+    assert compiled.keys() == eager.keys() and difference < COMPILE_TOL
+
+
+@gpu()
+def test_check_gpus_passes(record):
+    done = run("check_gpus.py", check=False)
+    record(criterion="check_gpus.py: every check passes (exit status 0)", exit_status=done.returncode,
+           results=[line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@gpu()
+def test_a_training_step_never_makes_the_host_wait_for_the_gpu(record, tmp_path):
+    """The input path (indices, gather, augmentation, normalisation), the data-wait clock, the
+    forward and backward passes, the optimizer and the NaN check queue their work without a
+    synchronising call: torch.cuda.set_sync_debug_mode("error") raises on any. The NaN check's one
+    wait, for the previous step's loss, is an event's (long complete by then)."""
+    class OneProcess:
+        def reduce(self, tensor, reduction):
+            return tensor
+
+    device = torch.device("cuda")
+    data = on_device(make_synthetic(640, 64), device)
+    batches = iter(tensor_loader(data.train_images, data.train_labels, 64, shuffle=True))
+    transform = BatchTransform([125.0, 123.0, 114.0], [63.0, 62.0, 66.0], channels_last=True)
+    model = build_model("resnet20", 10).to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    guard, wait = NonFiniteGuard(OneProcess(), tmp_path), DataWait(device)
+
+    def step(i):
+        wait.start()
+        images, labels = next(batches)
+        images = transform.train(images, seed=(0, i))
+        wait.stop()
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        guard.check(loss, i)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for i in range(2):  # first use: pinned memory, cuDNN's algorithm search, the optimizer's state
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(2, 8):
+            step(i)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    guard.flush()
+    record(criterion="6 training steps under torch.cuda.set_sync_debug_mode('error') raise nothing",
+           data_wait_s=round(wait.seconds(), 6))
+
+
+# --------------------------------------------------------------------------- without a GPU
+
+def test_gpu_tests_carry_the_marker():
+    tests = {name: test for name, test in globals().items() if name.startswith("test_")}
+    for name, test in tests.items():
+        marks = {mark.name for mark in getattr(test, "pytestmark", [])}
+        assert ("gpu" in marks) == (name not in CPU_TESTS), name
+        assert "gpu" not in marks or "skipif" in marks, name  # skipped, not failed, without CUDA
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+def test_without_cuda_make_gpu_check_says_so_in_one_line(tmp_path):
+    venv = Path(sys.prefix)  # this suite's virtual environment, counted as installed (as tests/helpers.make)
+    done = subprocess.run(["make", "-C", str(ROOT), "-o", f"{venv}/bin/.installed", f"VENV={venv}", "gpu-check",
+                           f"ARGS=--output-dir {tmp_path / 'report'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    ours = [line for line in done.stderr.splitlines() if not line.startswith("make")]  # make adds "Error 1"
+    assert done.returncode != 0
+    assert ours == [f"error: gpu-check needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False; "
+                    f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run it on a machine with "
+                    f"an NVIDIA GPU"], done.stderr
+    assert [line for line in done.stdout.splitlines() if not line.startswith("make")] == []
+    assert not (tmp_path / "report").exists()
+
+
+def test_the_report_renders_fabricated_results(tmp_path):
+    # The checks: pytest's junit XML and the figures the tests recorded.
+    (tmp_path / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_gpu" name="test_check_gpus_passes" time="9.5"/>'
+        '<testcase classname="tests.test_gpu" name="test_sync_bn_matches_one_gpu_and_plain_ddp_does_not" time="1">'
+        '<skipped type="pytest.skip" message="needs 2 CUDA GPUs, 1 visible"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_compile_trains_the_eager_weights" time="80.2">'
+        '<failure message="AssertionError: assert 0.01 &lt; 0.001&#10;more">trace</failure></testcase>'
+        '</testsuite></testsuites>')
+    (tmp_path / "figures.jsonl").write_text(
+        json.dumps({"test": "test_compile_trains_the_eager_weights", "criterion": "within 1e-3",
+                    "max_abs_difference": 0.01}) + "\n")
+    checks = gpu_check.read_checks(tmp_path / "junit.xml", tmp_path / "figures.jsonl")
+    assert [(c["status"], c["message"]) for c in checks] == [
+        ("passed", ""), ("skipped", "needs 2 CUDA GPUs, 1 visible"), ("failed", "AssertionError: assert 0.01 < 0.001")]
+    assert checks[2]["figures"] == {"criterion": "within 1e-3", "max_abs_difference": 0.01}
+
+    # The benchmark: rows as benchmark.json has them, the plain loop's rounds, in a 1-GPU run.
+    def row(name, precision, img_per_s, batch=128, wait=0.004, devices=1):
+        return {"name": name, "label": f"{name} label", "script": "train_x.py", "precision": precision,
+                "devices": devices, "per_device_batch": batch, "img_per_s": img_per_s,
+                "epoch_50k_s": 50_000 / img_per_s, "speedup": 1.0, "data_wait_frac": wait,
+                "peak_memory_gb": [1.5] * devices, "memory_kind": "GPU, nvidia-smi", "command": "python scripts/x.py"}
+    bench = {"rows": [row("single", "fp32", 9_800.0), row("fp16", "fp16", 20_000.0),
+                      row("bf16", "bf16", 30_000.0, wait=0.02)],
+             "plain_loop_img_per_s": {"fp32": [9_900.0, 10_100.0, 10_000.0], "bf16": [30_000.0]},
+             "checks": [{"check": "overhead: train_single / plain PyTorch loop", "value": 0.98, "passed": True,
+                         "measured": "0.980x", "target": ">= 0.97x", "note": "", "other_work": 0.0}]}
+    rows = gpu_check.script_rows(bench, gpu_check.plain_rates(bench))
+    assert [r["vs_plain"] for r in rows] == [0.98, None, 1.0]  # fp16 has no plain loop
+    four = gpu_check.script_rows({"rows": [row("single", "fp32", 1.0), row("ddp4", "fp32", 36_000.0, devices=4)]},
+                                 {"fp32": 10_000.0}, skip_single=True)
+    assert [(r["strategy"], r["vs_plain"]) for r in four] == [("ddp4", 0.9)]  # per GPU, against one plain loop
+    machine = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gb": 85.0}],
+               "driver": "unknown", "cudnn": "91002", "nccl": "2.27.3", "cuda": "13.2", "cpu": "a CPU",
+               "cpu_cores": 16, "platform": "Linux", "cuda_visible_devices": "(not set: all)",
+               "versions": {"torch": "2.15.0", "accelerate": "1.15.0", "python": "3.12.3"}}
+    benchmark = [{"name": "1gpu-b128", "command": "python scripts/benchmark.py", "env": {}, "returncode": 0,
+                  "folder": "benchmark-1gpu-b128", "rows": rows, "checks": bench["checks"]}]
+    resnet50 = [{"model": "torchvision:resnet50", "image_size": 224, "precision": "fp32", "batch": 128,
+                 "img_per_s": 2_000.0, "epoch_50k_s": 25.0, "peak_memory_gb": 20.1, "error": None},
+                {"model": "torchvision:resnet50", "image_size": 224, "precision": "bf16", "batch": 128,
+                 "img_per_s": None, "epoch_50k_s": None, "peak_memory_gb": None, "error": "out of GPU memory"}]
+    report = gpu_check.build_report(machine, checks, benchmark, resnet50, "2026-01-01 12:00", 600.0,
+                                    "scripts/gpu_check.py")
+    assert report["passed"] is False and report["slug"] == "nvidia-h100-80gb-hbm3"  # a check failed
+    assert [t["met"] for t in report["targets"]] == [True, False, True]  # 0.98x; 2 % wait; 1.67 s on an H100
+    assert report["targets"][1]["measured"] == "at most 2.00 % (bf16 label, batch 128)"
+    gpu_check.write_report(tmp_path, report)
+    assert json.loads((tmp_path / "gpu-check.json").read_text()) == report
+    text = (tmp_path / "gpu-check.md").read_text()
+    assert text.startswith(
+        "# GPU check: NVIDIA H100 80GB HBM3\n\nFAIL. Checks: 1 passed, 1 failed, 0 errors, 1 skipped.")
+    assert "| a 50,000-image epoch of ResNet-18 at 32 px in bf16 on one H100 in under 2 s | 1.67 s (bf16 label, " \
+           "batch 128) | met |" in text
+    assert "**failed**: AssertionError: assert 0.01 < 0.001 | max_abs_difference 0.01 |" in text
+    assert "| `single`: single label | fp32 | 1 | 128 | 9,800 | 5.10 s | 1.00x | 0.980x | 0.40 % | 1.50 |" in text
+    assert "| bf16 | 128 | not run: out of GPU memory |" in text and "- within 1e-3" in text
+    assert "Peak memory, as benchmark.py measured it: GPU, nvidia-smi (nvidia-smi: " in text
+    assert "keep this report as docs/gpu/nvidia-h100-80gb-hbm3.md" in text.lower()
+    # On another GPU the H100 target is reported, not judged; a row that failed fails the report.
+    other = gpu_check.evaluate_targets(rows, ["NVIDIA A100-SXM4-80GB"])
+    assert other[2]["met"] is None and other[2]["measured"].endswith("this is NVIDIA A100-SXM4-80GB")
+    broken = [{**benchmark[0], "rows": [{**rows[0], "error": "exit status 1: CUDA error"}]}]
+    failed = gpu_check.build_report(machine, checks[:2], broken, [], "", 1.0, "")
+    assert failed["passed"] is False
+    assert "| `single`: single label | fp32 | 1 | 128 | failed: exit status 1: CUDA error |" in \
+        gpu_check.render_markdown(failed)
+    for markdown in (text, gpu_check.render_markdown(failed)):
+        assert all(len(widths) == 1 for widths in table_widths(markdown)), markdown  # rows as wide as the header
+    assert gpu_check.build_report(machine, checks[:2], benchmark, [], "", 1.0, "")["passed"] is True

@@ -1,0 +1,215 @@
+"""The GPU paths of common/ tested on the CPU: CUDA calls patched where the code asks the hardware.
+
+What only a GPU can show (no host-device synchronisation per step, TF32 and bit-for-bit resume
+under --deterministic on real kernels) is in tests/test_gpu.py, run by `make gpu-check`.
+"""
+
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+
+from common import tracking
+from common.batches import BatchTransform, on_device
+from common.checkpoint import latest_checkpoint
+from common.data import make_synthetic
+from common.errors import UserError
+from common.parallel import NonFiniteGuard, SkippedSteps, choose_mixed_precision, set_numerics
+from common.tracking import DataWait, start_tracking
+
+
+class FakeAccelerator:
+    """What the guards use of an Accelerator, in one process."""
+
+    is_main_process = True
+
+    def __init__(self):
+        self.waited = 0
+        self.optimizer_step_was_skipped = False
+        self.scaler = type("Scaler", (), {"get_scale": lambda self: 2.0 ** -30})()
+
+    def reduce(self, tensor, reduction):
+        return tensor.clone()
+
+    def wait_for_everyone(self):
+        self.waited += 1
+
+
+def checkpoints(folder, *steps):
+    for step in steps:
+        (folder / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+
+
+# ------------------------------------------------------------------------------ non-finite loss
+
+def test_a_non_finite_loss_stops_one_step_later_and_before_anything_is_saved(tmp_path, capsys):
+    checkpoints(tmp_path, 40)
+    accelerator = FakeAccelerator()
+    guard = NonFiniteGuard(accelerator, tmp_path)
+    guard.check(torch.tensor(2.3), 41)
+    guard.check(torch.tensor(float("nan")), 42)  # read at the next step, not now: no wait for the device
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as stopped:
+        guard.check(torch.tensor(2.1), 43)
+    assert stopped.value.code == 1 and accelerator.waited == 1  # every process speaks before any exits
+    assert capsys.readouterr().err == (
+        f"error: the loss is nan at step 42: training stopped and nothing of that step was saved; the last good "
+        f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr\n")
+
+
+def test_flush_reads_the_newest_loss_before_a_checkpoint(tmp_path, capsys):
+    guard = NonFiniteGuard(FakeAccelerator(), tmp_path)
+    guard.check(torch.tensor(1.0), 1)
+    guard.flush()  # finite: goes on
+    guard.flush()  # nothing pending
+    guard.check(torch.tensor(float("inf")), 2)
+    with pytest.raises(SystemExit):
+        guard.flush()
+    err = capsys.readouterr().err
+    assert "the loss is inf at step 2" in err and "there is no checkpoint yet: start again with a lower --lr" in err
+
+
+# ------------------------------------------------------------------------------ fp16 skipped steps
+
+def test_fp16_stops_after_100_skipped_steps_in_a_row(tmp_path, capsys):
+    checkpoints(tmp_path, 100, 150, 200)  # 150 and 200 were saved while every step was skipped
+    accelerator = FakeAccelerator()
+    skipped = SkippedSteps(accelerator, tmp_path)
+    for step in range(101, 201):  # 1 skipped, 1 applied, then 99 skipped in a row: goes on
+        accelerator.optimizer_step_was_skipped = step != 102
+        skipped.count(step)
+    assert skipped.in_epoch == 99 and skipped.in_a_row == 98
+    accelerator.optimizer_step_was_skipped = True
+    skipped.count(201)
+    with pytest.raises(SystemExit) as stopped:
+        skipped.count(202)
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: fp16 skipped 100 steps in a row (103 to 202) because the gradients overflowed "
+                          "at every loss scale (now 9.31323e-10): training diverged and stopped; the newest "
+                          f"checkpoint before them is {tmp_path / 'checkpoints' / 'step_00000100'}")
+    assert err.count("\n") == 1
+
+
+def test_latest_checkpoint_up_to_a_step(tmp_path):
+    checkpoints(tmp_path, 50, 100, 150)
+    assert latest_checkpoint(tmp_path).name == "step_00000150"
+    assert latest_checkpoint(tmp_path, up_to=149).name == "step_00000100"
+    assert latest_checkpoint(tmp_path, up_to=49) is None
+
+
+# ------------------------------------------------------------------------------ the data on the GPU
+
+def test_a_dataset_too_big_for_the_gpu_is_refused_before_the_copy(monkeypatch):
+    data = make_synthetic(1000, 200)  # 3.7 MB of images
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6_000_000, 80_000_000_000))
+    with pytest.raises(UserError, match=r"^error: the decoded dataset takes 0\.0 GB, and this template keeps it on "
+                                        r"every GPU: more than 50% of the 0\.0 GB free on cuda:0; train on fewer"):
+        on_device(data, torch.device("cuda", 0))
+
+
+def test_on_a_cpu_the_data_stays_where_it_is():
+    data = make_synthetic(100, 20)
+    moved = on_device(data, torch.device("cpu"))
+    assert moved.train_images.data_ptr() == data.train_images.data_ptr()  # no copy
+    assert dataclasses.replace(moved, source=data.source) == moved
+
+
+def test_the_normalisation_constants_move_to_the_device_once():
+    transform = BatchTransform([120.0, 115.0, 100.0], [60.0, 60.0, 60.0])
+    batch = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    transform.eval(batch)
+    mean = transform.mean
+    transform.train(batch, seed=(0, 1))
+    assert transform.mean is mean  # not copied again per batch
+
+
+# ------------------------------------------------------------------------------ data wait
+
+def test_data_wait_sums_the_waits_of_an_epoch_and_starts_again():
+    wait = DataWait(torch.device("cpu"))
+    for _ in range(3):
+        wait.start()
+        time.sleep(0.02)
+        wait.stop()
+        time.sleep(0.03)  # the step: not waiting
+    first = wait.seconds()
+    assert 0.055 < first < 0.09
+    assert wait.seconds() == 0.0
+
+
+# ------------------------------------------------------------------------------ numerics
+
+@pytest.fixture
+def restore_numerics():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+              torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32,
+              torch.backends.cudnn.allow_tf32, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1], before[2]
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[3], before[4]
+    if before[5] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_tf32_only_where_the_gpu_has_it(monkeypatch, restore_numerics):
+    capability = {0: (8, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[device.index])
+    assert set_numerics(torch.device("cuda", 0), tf32=True, deterministic=False) == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
+    assert set_numerics(torch.device("cuda", 1), tf32=True, deterministic=False) == "ieee"  # Turing: no TF32
+    assert set_numerics(torch.device("cuda", 0), tf32=False, deterministic=False) == "ieee"
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert set_numerics(torch.device("cpu"), tf32=True, deterministic=False) == "ieee"
+
+
+def test_deterministic_turns_off_the_algorithm_search(monkeypatch, restore_numerics):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    set_numerics(torch.device("cpu"), tf32=True, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    assert not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_the_mixed_precision_is_chosen_on_the_process_own_gpu(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+
+    def capability(device=None):
+        assert device is None and current, "asked before this process's GPU was made current"
+        return {0: (9, 0), 1: (7, 5)}[current[-1]]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    for local_rank, expected in (("0", "bf16"), ("1", "fp16")):  # H100 bf16; T4 only emulates it: fp16
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert choose_mixed_precision(None) == expected
+    assert current == [0, 1]
+
+
+# ------------------------------------------------------------------------------ tracking start-up
+
+def test_wandb_start_up_is_bounded_below_the_process_group_timeout(monkeypatch, tmp_path):
+    started = {}
+
+    class Accelerator(FakeAccelerator):
+        log_with = ["wandb"]
+
+        def init_trackers(self, project, config, init_kwargs):
+            started.update(init_kwargs["wandb"])
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    progress = type("Progress", (), {"tracker_run_id": None})()
+    start_tracking(Accelerator(), {}, tmp_path, progress)
+    assert started["settings"] == {"init_timeout": tracking.START_TIMEOUT} and tracking.START_TIMEOUT < 90
+    started.clear()
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "30")  # the user's own bound: wandb reads it
+    start_tracking(Accelerator(), {}, tmp_path, progress)
+    assert "settings" not in started
