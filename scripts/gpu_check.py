@@ -55,7 +55,7 @@ PARTS = ("tests", "benchmark", "resnet50")
 LARGE_MODEL, LARGE_SIZE = "torchvision:resnet50", 224
 WARMUP_STEPS = 3  # plain-loop steps left out: cudnn.benchmark tries its algorithms on the first
 EPOCH_IMAGES = 50_000
-TARGETS = {  # the targets the reports in docs/gpu/ are held to (issue 11)
+TARGETS = {  # the targets the reports in docs/gpu/ are held to
     "overhead": "train_single within 3 % of the plain loop (ResNet-18, 32 px, fp32, 1 GPU)",
     "data_wait": "data wait under 1 % (every ResNet-18 script row)",
     "epoch": "a 50,000-image epoch of ResNet-18 at 32 px in bf16 on one H100 in under 2 s",

@@ -139,3 +139,16 @@ def test_a_nan_loss_stops_every_process_at_the_same_step(tmp_path):
     newest = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
     assert newest < step and f"the last good checkpoint is {out}/checkpoints/step_{newest:08d}" in lines[0]
     assert not (out / "model.safetensors").exists()
+
+
+def test_a_stalled_worker_fails_the_job_after_the_dist_timeout(tmp_path):
+    """Rank 1 stops answering after 3 steps; rank 0 waits --dist-timeout (10 s here, 600 by default)
+    in its next all-reduce, fails, and the launcher ends the job instead of letting it hang."""
+    cmd = [*accelerate(), "--dist-timeout", "10", "--output-dir", str(tmp_path / "run")]
+    cmd.insert(cmd.index(str(ROOT / "scripts" / "train_ddp.py")), str(ROOT / "tests" / "stall_rank.py"))
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - start
+    assert done.returncode != 0
+    assert re.search(r"[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
+    assert elapsed < 200, f"the job took {elapsed:.0f} s to fail"  # start-up + 10 s, not the 3,600 s stall
