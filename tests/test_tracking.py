@@ -83,12 +83,14 @@ def test_ctrl_c_finishes_the_run(tmp_path):
                                 "--synthetic-train-size", "4096", "--epochs", "5", "--output-dir", str(out)],
                                cwd=ROOT, env=user_env(), stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while not wandb_runs(out) and time.time() < deadline:
-        time.sleep(0.5)
+    started = []  # the lines up to the start line, printed once wandb has started and training begins
+    for line in process.stdout:
+        started.append(line)
+        if line.startswith("train_single:"):
+            break
     time.sleep(3)  # well inside the first epoch
     process.send_signal(signal.SIGINT)
-    output = process.communicate(timeout=120)[0]
+    output = "".join(started) + process.communicate(timeout=120)[0]
     assert process.returncode != 0, output
     (run_dir,) = wandb_runs(out)
     run = offline_run(run_dir)
