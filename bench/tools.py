@@ -82,6 +82,12 @@ def describe_machine(machine: dict) -> str:
 
 # ------------------------------------------------------------------------- launched runs, watched
 
+def native_bf16() -> bool:
+    """bf16 in hardware on this process's GPU: compute capability 8.0 and newer. Older GPUs only
+    emulate it, slowly, though torch.cuda.is_bf16_supported() says True on them."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work, so that a clock read next measures it; a no-op on a CPU."""
     if device.type == "cuda":
@@ -251,7 +257,7 @@ class PlainLoop:
                 loss.backward()
                 self.optimizer.step()
                 # Waits for the device at every step, so each step's time is the device's; the scripts
-                # wait once per step too, in their NaN check after the forward (common/parallel.py).
+                # wait a step behind (their NaN check, common/parallel.py): the same pace once running.
                 loss.item()
                 self.steps_done += 1
                 self.step_seconds.append(time.perf_counter() - tick)

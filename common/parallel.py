@@ -106,8 +106,8 @@ def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
       too, at some cost in speed. Call this before the first matmul: cuBLAS reads
       CUBLAS_WORKSPACE_CONFIG when it starts.
     """
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # the two values deterministic cuBLAS accepts
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic
@@ -146,8 +146,9 @@ class NonFiniteGuard:
         total = self.accelerator.reduce(loss.detach().float(), "sum")
         arrived = None
         if total.is_cuda:  # a copy into pinned host memory, queued behind the step's work
+            stream = torch.cuda.current_stream(total.device)
             total, arrived = total.to("cpu", non_blocking=True), torch.cuda.Event()
-            arrived.record()
+            arrived.record(stream)
         previous, self.pending = self.pending, (step, total, arrived)
         if previous:
             self._read(*previous)

@@ -107,7 +107,7 @@ def available_strategies(gpus: int) -> dict[str, Strategy]:
         rows.append(Strategy("dp", f"train_dp, DataParallel on {gpus} GPUs, fp32", "train_dp.py", 1, gpus))
     counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < gpus} | ({gpus} - {1}))
     rows += [Strategy(f"ddp{n}", f"train_ddp, DDP on {n} GPUs, fp32", "train_ddp.py", n, n) for n in counts]
-    for precision in ("fp16", "bf16") if torch.cuda.is_bf16_supported() else ("fp16",):
+    for precision in ("fp16", "bf16") if tools.native_bf16() else ("fp16",):
         name = f"ddp{gpus}-{precision}" if gpus > 1 else precision
         where = f"DDP on {gpus} GPUs" if gpus > 1 else "1 GPU"
         rows.append(Strategy(name, f"train_amp, {where}, {precision}", "train_amp.py", gpus, gpus, precision,
@@ -440,7 +440,7 @@ def main(args):
     loops = {}
     if {"overhead", "precision", "compute", "compile"} & set(checks):
         loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, tf32_math=tf32_math)
-        if {"precision", "compile"} & set(checks) and (gpus == 0 or torch.cuda.is_bf16_supported()):
+        if {"precision", "compile"} & set(checks) and (gpus == 0 or tools.native_bf16()):
             loops["bf16"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
                                             channels_last=True, tf32_math=tf32_math)
         for loop in loops.values():

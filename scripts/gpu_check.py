@@ -159,7 +159,7 @@ def benchmark_runs(gpus: int, steps: int) -> list[dict]:
     epoch target, and every row on all GPUs (its 1-GPU row, the speed-up base, is left out here)."""
     one = {"CUDA_VISIBLE_DEVICES": first_visible_gpu()}
     runs = [{"name": "1gpu-b128", "env": one, "flags": ["--steps", str(steps)], "all_gpus": False}]
-    if torch.cuda.is_bf16_supported(including_emulation=False):
+    if tools.native_bf16():
         runs.append({"name": "1gpu-b512", "env": one, "all_gpus": False,
                      "flags": ["--steps", str(steps), "--per-device-batch-size", "512", "--strategies", "single",
                                "bf16", "--checks", "overhead", "precision"]})
@@ -224,7 +224,7 @@ def large_rows(batch: int, steps: int) -> list[dict]:
         row = {"model": LARGE_MODEL, "image_size": LARGE_SIZE, "precision": precision, "batch": batch,
                "img_per_s": None, "epoch_50k_s": None, "peak_memory_gb": None, "error": None}
         rows.append(row)
-        if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        if precision == "bf16" and not tools.native_bf16():
             row["error"] = "no native bf16 on this GPU (compute capability below 8.0)"
             continue
         print(f"gpu-check: {LARGE_MODEL} at {LARGE_SIZE} px, {precision}, batch {batch}, plain loop ...", flush=True)
@@ -378,7 +378,7 @@ def main(args) -> int:
               f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run it on a machine with an NVIDIA "
               f"GPU", file=sys.stderr)
         return 1
-    folder = Path(args.output_dir) if args.output_dir else new_run_dir("gpu-check")
+    folder = (Path(args.output_dir) if args.output_dir else new_run_dir("gpu-check")).resolve()  # runs use cwd=ROOT
     folder.mkdir(parents=True, exist_ok=True)
     started, clock, command = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter(), shlex.join(sys.argv)
     info = machine()

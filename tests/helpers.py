@@ -25,11 +25,11 @@ def user_env(**extra) -> dict:
     return {**env, "HOME": str(home), **extra}
 
 
-def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), check=True):
+def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), check=True, timeout=300):
     """Run scripts/<script> with ``launcher`` (python, torchrun, accelerate launch ...)."""
     env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), **(env_extra or {}))
     done = subprocess.run([*launcher, str(ROOT / "scripts" / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if check and done.returncode != 0:
         raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done

@@ -132,7 +132,8 @@ def test_report_files_are_well_formed(report):
 def test_gpu_rows_follow_the_gpu_count(monkeypatch):
     benchmark = load_script("benchmark")
     assert list(benchmark.available_strategies(0)) == ["single", "bf16", "ddp2"]
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16"]
     assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "ddp6-fp16",
                                                        "ddp6-bf16"]

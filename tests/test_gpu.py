@@ -44,14 +44,17 @@ gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 
 GPUS = torch.cuda.device_count()
-NATIVE_BF16 = GPUS > 0 and torch.cuda.is_bf16_supported(including_emulation=False)
-HAS_TF32 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)
+NATIVE_BF16 = HAS_TF32 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)  # Ampere and newer
 ONE_GPU = {"CUDA_VISIBLE_DEVICES": gpu_check.first_visible_gpu()}
 ACCELERATE = (str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
               str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", str(GPUS))
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 ALL_BATCH = math.lcm(64, max(GPUS, 1))  # the tiny run's batch, or the next that divides by the GPUs
 LEARNED, EVAL_IMAGES, AGREE_TOL, COMPILE_TOL = 0.4, 1, 1e-4, 1e-3
+# evaluate.py runs the test set in one batch, eager, in strict fp32: other kernels than the run's own evaluation
+# (batches of 64, split over GPUs, cuDNN's search, TF32, 16-bit or compiled), whose rounding can flip the
+# near-ties of a half-trained model. 1 image for fp32 on 1 GPU; 1 % of the test set otherwise.
+EVAL_IMAGES_LOOSE = 3
 CPU_TESTS = {"test_gpu_tests_carry_the_marker", "test_without_cuda_make_gpu_check_says_so_in_one_line",
              "test_the_report_renders_fabricated_results"}
 
@@ -144,7 +147,8 @@ def train(name: str, out: Path, *extra):
     script, gpus, flags = CASES[name]
     size = ["--batch-size", 64] if gpus == 1 else ["--batch-size", ALL_BATCH, "--synthetic-train-size", 16 * ALL_BATCH]
     return run(script, *TINY, *size, "--report-to", "none", *flags, *extra, "--output-dir", out,
-               launcher=launcher(script, gpus != 1), env_extra=ONE_GPU if gpus == 1 else None)
+               launcher=launcher(script, gpus != 1), env_extra=ONE_GPU if gpus == 1 else None,
+               timeout=1200 if "--compile" in flags else 300)  # N processes compiling on shared cores
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +171,19 @@ def test_every_script_learns_and_evaluate_reproduces_it(trained, record, name):
     out = trained(name)
     logged, settings = metrics(out), config(out)
     evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, env_extra=ONE_GPU)
+    script, gpus, flags = CASES[name]
+    allowed = EVAL_IMAGES if gpus == 1 and not {"--mixed-precision", "--compile"} & set(flags) else EVAL_IMAGES_LOOSE
     found = re.match(r"test_acc=\S+ \((\d+)/(\d+)\)", evaluated.stdout)
     assert found, evaluated.stdout
     correct, total = int(found.group(1)), int(found.group(2))
     logged_correct = round(logged["test_acc"] * logged["test_images"])
     record(criterion=f"learns: test_acc > {LEARNED} and a finite loss after 3 epochs; evaluate.py within "
-                     f"{EVAL_IMAGES} test image of the logged accuracy",
+                     f"{allowed} test images of the logged accuracy",
            test_acc=logged["test_acc"], train_loss=logged["train_loss"], evaluate_correct=correct,
            logged_correct=logged_correct, test_images=total, img_per_s=round(logged["img_per_s"]),
            world_size=settings["world_size"], **{k: v for k, v in logged.items() if k.startswith("gpu_mem")})
     assert math.isfinite(logged["train_loss"]) and logged["test_acc"] > LEARNED, logged
-    assert total == logged["test_images"] and abs(correct - logged_correct) <= EVAL_IMAGES, evaluated.stdout
-    script, gpus, flags = CASES[name]
+    assert total == logged["test_images"] and abs(correct - logged_correct) <= allowed, evaluated.stdout
     assert settings["world_size"] == (GPUS if gpus == "all" and script != "train_dp.py" else 1)
     assert settings["args"]["deterministic"] == ("--deterministic" in flags)
     assert settings["args"]["tf32"] == ("--no-tf32" not in flags)
