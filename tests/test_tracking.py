@@ -82,7 +82,10 @@ def test_ctrl_c_finishes_the_run(tmp_path):
     process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_single.py"), *SMALL,
                                 "--synthetic-train-size", "4096", "--epochs", "5", "--output-dir", str(out)],
                                cwd=ROOT, env=user_env(), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               # Ctrl-C in a terminal: a job started in the background by a
+                               # non-interactive shell (CI) inherits SIGINT ignored, and so would this.
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     started = []  # the lines up to the start line, printed once wandb has started and training begins
     for line in process.stdout:
         started.append(line)
