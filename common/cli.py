@@ -3,7 +3,7 @@
 import argparse
 import math
 
-from common.data import DATASETS
+from common.data import check_dataset_name
 from common.errors import UserError
 from common.models import model_names
 
@@ -16,7 +16,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # run a different experiment. A script adds those of its own strategy.
 RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints",
                              "report_to", "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every",
-                             "checkpoint_every", "compile"})
+                             "checkpoint_every", "compile", "loader", "workers", "loader_budget", "bad_images"})
 
 
 class Parser(argparse.ArgumentParser):
@@ -123,28 +123,67 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     """Where the images come from: the same flags for training and for scripts/evaluate.py."""
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", default="cifar10", choices=DATASETS,
-                      help="cifar10/cifar100 come from the Hugging Face Hub (uoft-cs/...); synthetic is made "
-                           "on the spot, needs no download and suits a CPU (default: %(default)s)")
+    data.add_argument("--dataset", default="cifar10",
+                      help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image classification "
+                           "dataset id (owner/name) with an image and a label column, or synthetic: made on the "
+                           "spot, no download, suits a CPU (default: %(default)s)")
     data.add_argument("--data-dir", default=None,
                       help="read the data from this folder or archive instead of the Hub: a Hub snapshot "
-                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or "
-                           "train/<class>/*.png + test/<class>/*.png")
+                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or an image "
+                           "folder train/<class>/* with test/<class>/* (or val/, validation/)")
+    data.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                      help="evaluate on this share of the training images, drawn per class with --seed, and "
+                           "train on the rest, for data with no labelled test or validation split (default: "
+                           "the data's own test split, else its validation split)")
+    data.add_argument("--image-size", type=int, default=None, metavar="N",
+                      help="training and evaluation resolution N x N: training images are cropped at random "
+                           "(padded by 4 up to 64px, random-resized crops above) and flipped, evaluation images "
+                           "resized and centre-cropped (default: the images' own size when they share one "
+                           "square size, as CIFAR's 32, else 224)")
+    data.add_argument("--loader", default="auto", choices=("auto", "device", "workers"),
+                      help="device: decode every image once and keep them on the training device (fastest, if "
+                           "they fit); workers: DataLoader workers decode and augment each batch (any size); auto: "
+                           "device when the decoded images fit --loader-budget (default: %(default)s)")
+    data.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="DataLoader worker processes per training process for --loader workers (default: the "
+                           "CPU cores shared among the node's processes, less one, at most 16)")
+    data.add_argument("--loader-budget", type=float, default=None, metavar="GB",
+                      help="the most the decoded images may take for --loader device/auto (default: half the free "
+                           "memory of the GPU and of the host, whichever is less)")
+    data.add_argument("--bad-images", default="stop", choices=("stop", "skip"),
+                      help="an image that cannot be decoded stops the run with its name (stop), or is reported "
+                           "and left out (skip) (default: %(default)s)")
     data.add_argument("--cache-dir", default=None,
-                      help="where decoded uint8 tensors are cached (default: $CIFAR_CACHE_DIR or "
-                           "~/.cache/multigpu-cifar)")
+                      help="where decoded uint8 tensors (and parquet converted to Arrow) are cached (default: "
+                           "$CIFAR_CACHE_DIR or ~/.cache/multigpu-cifar)")
     data.add_argument("--synthetic-train-size", type=int, default=5000,
                       help="images in the synthetic training split (default: %(default)s)")
     data.add_argument("--synthetic-test-size", type=int, default=1000,
                       help="images in the synthetic test split (default: %(default)s)")
 
 
+def check_data_args(args: argparse.Namespace) -> None:
+    """The data flags' values argparse cannot check, for training and evaluation alike."""
+    check_dataset_name(args.dataset)
+    if args.image_size is not None and not 8 <= args.image_size <= 4096:
+        raise UserError(f"--image-size {args.image_size}: must be from 8 to 4096 pixels")
+    if args.workers is not None and args.workers < 0:
+        raise UserError(f"--workers {args.workers}: must be 0 (load in the training process) or more")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        raise UserError(f"--val-fraction {args.val_fraction}: must be between 0 and 1, e.g. 0.1")
+    if args.loader_budget is not None and not 0 <= args.loader_budget < math.inf:
+        raise UserError(f"--loader-budget {args.loader_budget}: must be a number of GB, 0 or more")
+    if args.workers is not None and args.loader == "device":
+        raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: drop one of them")
+    for flag in ("synthetic_train_size", "synthetic_test_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
+
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
-                "--synthetic-train-size": args.synthetic_train_size,
-                "--synthetic-test-size": args.synthetic_test_size, "--keep-checkpoints": args.keep_checkpoints,
+    check_data_args(args)
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size}
     if args.checkpoint_every is not None:
         positive["--checkpoint-every"] = args.checkpoint_every

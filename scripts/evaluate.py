@@ -17,12 +17,11 @@ model; the normalisation is then computed from the training split of the data:
 import torch
 from accelerate import Accelerator
 
-from common.batches import BatchTransform, channel_stats, tensor_loader
 from common.checkpoint import load_weights, read_metadata
-from common.cli import Parser, add_data_args
-from common.data import load_image_data
+from common.cli import Parser, add_data_args, check_data_args
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.inputs import load_test_inputs
 from common.models import build_model
 
 
@@ -37,6 +36,7 @@ def parse_args(argv=None):
                         help="images per evaluation batch (default: %(default)s)")
     add_data_args(parser)
     args = parser.parse_args(argv)
+    check_data_args(args)
     if args.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size {args.eval_batch_size}: must be 1 or more")
     return args
@@ -52,16 +52,18 @@ def main(args):
     # The precision and memory format the run evaluated in (fp32 and NHWC for weights from elsewhere):
     # the same arithmetic, the same accuracy.
     accelerator = Accelerator(mixed_precision=stored.get("mixed_precision", "no"))
-    data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
-                           args.synthetic_test_size)
-    classes, image_size = stored.get("classes", data.classes), stored.get("image_size")
+    image_size = stored.get("image_size")
+    if image_size and args.image_size and args.image_size != image_size[0]:
+        raise UserError(f"--weights {args.weights} were trained on {image_size[0]}px images, not --image-size "
+                        f"{args.image_size}: drop --image-size")
+    # The training run's resolution, evaluation split and normalisation; for weights from elsewhere
+    # the flags', and the statistics of the training images.
+    data = load_test_inputs(args, accelerator, image_size[0] if image_size else args.image_size,
+                            args.eval_batch_size, stored.get("eval_split"), stored.get("normalization"))
+    classes = stored.get("classes", data.classes)
     if list(classes) != data.classes:
         raise UserError(f"--weights {args.weights} were trained on the classes {', '.join(classes[:5])}... but the "
                         f"data has {', '.join(data.classes[:5])}...: pass the data flags of the training run")
-    if image_size and list(data.test_images.shape[2:]) != list(image_size):
-        raise UserError(f"--weights {args.weights} were trained on {'x'.join(map(str, image_size))} images but the "
-                        f"test images are {'x'.join(map(str, data.test_images.shape[2:]))}: pass the data flags "
-                        f"of the training run")
     model = build_model(model_name, num_classes=len(data.classes))
     try:
         model.load_state_dict(state_dict)
@@ -70,14 +72,10 @@ def main(args):
         raise UserError(f"--weights {args.weights} do not fit --model {model_name} with "
                         f"{len(data.classes)} classes ({first}); check --model and the data flags") from None
 
-    # The training run's normalisation, else (weights from elsewhere) the training split's statistics.
-    normalization = stored.get("normalization") or dict(zip(("mean", "std"), channel_stats(data.train_images)))
     channels_last = stored.get("channels_last", False)
-    transform = BatchTransform(normalization["mean"], normalization["std"], channels_last=channels_last)
+    data.transform.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    transform, loader = data.transform, data.test_loader
     model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    device = accelerator.device
-    loader = tensor_loader(data.test_images.to(device), data.test_labels.to(device), args.eval_batch_size,
-                           shuffle=False)
     model, loader = accelerator.prepare(model, loader)
     result = evaluate(model, loader, transform, accelerator, len(data.classes))
 

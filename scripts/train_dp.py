@@ -50,7 +50,6 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.batches import BatchTransform, channel_stats, on_device, tensor_loader
 from common.checkpoint import (
     TrainProgress,
     check_resume_config,
@@ -63,9 +62,9 @@ from common.checkpoint import (
     write_metrics,
 )
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args
-from common.data import load_image_data
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.inputs import load_inputs
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
@@ -80,7 +79,7 @@ from common.parallel import (
 from common.tracking import DataWait, StepLogger, log_line, start_tracking, track
 
 SCRIPT = Path(__file__).stem
-EVALUATION = ("classes", "image_size", "normalization", "mixed_precision")  # into model.safetensors
+EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")  # into model.safetensors
 RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change
 
 
@@ -115,7 +114,7 @@ def main(args):
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     )
     # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
@@ -128,18 +127,11 @@ def main(args):
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
-    # The first process to get there downloads and decodes; the others wait, then read its cache.
-    data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
-                           args.synthetic_test_size)
-    if len(data.train_labels) < args.batch_size:
-        raise UserError(f"--batch-size {args.batch_size} is larger than the {len(data.train_labels)} "
-                        f"training images: use a smaller --batch-size")
-    transform = BatchTransform(*channel_stats(data.train_images), augment=args.augment,
-                               channels_last=args.channels_last)
+    # --loader device: decoded once into one tensor on the device, augmented there a batch at a time;
+    # workers: decoded and augmented per sample by DataLoader workers, for data of any size and count.
+    data = load_inputs(args, accelerator)
+    train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
     device = accelerator.device
-    data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
-    train_loader = tensor_loader(data.train_images, data.train_labels, args.batch_size, shuffle=True, seed=args.seed)
-    test_loader = tensor_loader(data.test_images, data.test_labels, args.batch_size, shuffle=False)
 
     # ------------------------------------------------------------- model, optimizer, schedule
     model = build_model(args.model, num_classes=len(data.classes))
@@ -166,9 +158,7 @@ def main(args):
         "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
         "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-        "data": data.source, "classes": data.classes, "train_size": len(data.train_labels),
-        "test_size": len(data.test_labels), "image_size": list(data.train_images.shape[2:]),
-        "normalization": {"mean": transform.mean.flatten().tolist(), "std": transform.std.flatten().tolist()}})
+        **data.config})
     if checkpoint:
         check_resume_config(checkpoint, config, RESUMABLE)
         load_checkpoint(accelerator, checkpoint)
@@ -182,7 +172,7 @@ def main(args):
     accelerator.print(f"{SCRIPT}: {args.model} on {', '.join(map(str, devices)) or device}, "  # DP: every GPU
                       f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
                       f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
-                      f"{len(data.train_labels)} training images ({data.source}), {steps_per_epoch} steps/epoch, "
+                      f"{data.train_size} training images ({data.source}), {data.line}, {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
@@ -194,7 +184,8 @@ def main(args):
         model.train()
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
-        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch)
+        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch) \
+            if progress.batch_in_epoch else train_loader  # a new loader: the workers would start again
         loss_sum, trained = torch.zeros((), device=device), 0
         start = time.perf_counter()
         data_wait.start()

@@ -1,0 +1,215 @@
+"""Images one at a time: decoding, per-sample transforms and the worker-based loader.
+
+The other input path (common.batches) holds a whole decoded split as one tensor on the device.
+This one holds nothing decoded: each DataLoader worker reads a sample (a file, a row of a
+memory-mapped Arrow table, or a row of a memory-mapped tensor), decodes it with
+torchvision.io.decode_image (libjpeg-turbo, libpng, libwebp; PIL only for what they cannot read,
+e.g. CMYK or 16-bit files some versions refuse) and crops it to the training resolution with
+torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N): a quarter of the
+bytes of float, normalised on the device by BatchTransform as on the other path.
+
+Augmentation is drawn per sample from (seed, epoch, index), not from the worker's random state, so
+it does not depend on the number of workers, of processes or on where a resumed run restarts.
+"""
+
+import io
+import os
+import sys
+
+import numpy as np
+import PIL.Image
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from common.errors import first_line
+
+# Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
+# ones with ImageNet's (random-resized crop, flip).
+PAD_CROP_MAX_SIZE = 64
+PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
+
+
+class BadImage(Exception):
+    """An image no decoder can read. An Exception, not a UserError (SystemExit): a DataLoader worker
+    passes Exceptions on to the main process, where ``report_bad_image`` turns it into one line."""
+
+
+def decode(encoded, name: str) -> torch.Tensor:
+    """An image as uint8 RGB (3, H, W), from file bytes, a file path or an already decoded tensor.
+
+    Grayscale, palette and CMYK images are converted to RGB; an alpha channel is dropped.
+    """
+    if isinstance(encoded, torch.Tensor):
+        return encoded
+    if isinstance(encoded, (str, os.PathLike)):
+        try:
+            with open(encoded, "rb") as f:
+                encoded = f.read()
+        except OSError as e:
+            raise BadImage(f"cannot read image {name} ({first_line(e)})") from None
+    try:
+        image = decode_image(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        if image.dtype != torch.uint8:  # 16-bit PNGs
+            image = v2.functional.to_dtype(image, torch.uint8, scale=True)
+        return image
+    except (RuntimeError, ValueError):
+        pass  # a format or mode torchvision does not read: PIL may
+    try:
+        with PIL.Image.open(io.BytesIO(encoded)) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for corrupt or truncated files
+        raise BadImage(f"cannot decode image {name} ({first_line(e)})") from None
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
+
+
+def fit(image: torch.Tensor, size: int) -> torch.Tensor:
+    """Resize the shorter side to ``size`` and crop the centre square: the evaluation view. An image
+    that is already size x size is returned as it is."""
+    if image.shape[-2:] == (size, size):
+        return image
+    image = v2.functional.resize(image, size, antialias=True)
+    return v2.functional.center_crop(image, [size, size])
+
+
+def crop_mode(size: int) -> str:
+    """'pad' (CIFAR: pad by 4, random crop, flip) for small images, else 'resized' (ImageNet:
+    random-resized crop, flip)."""
+    return "pad" if size <= PAD_CROP_MAX_SIZE else "resized"
+
+
+def train_transform(size: int, augment: bool = True):
+    """The per-sample training transform of uint8 images of any size to uint8 size x size."""
+    if not augment:
+        return lambda image: fit(image, size)
+    if crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
+        crop = v2.RandomCrop(size, padding=PADDING, fill=0)
+        flip = v2.RandomHorizontalFlip()
+        return lambda image: flip(crop(fit(image, size)))
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+
+
+def sample_seed(*key: int) -> int:
+    # hash() of a tuple of ints is the same in every process and run (no hash randomisation).
+    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class SampleImages(Dataset):
+    """One split read and transformed a sample at a time, in DataLoader workers.
+
+    ``split`` is a common.data split (``encoded(i)``, ``name(i)``, ``labels``). Training indexes it
+    with (epoch, index) pairs from EpochSampler, and the transform's random numbers come from
+    (seed, epoch, index); evaluation indexes it with plain indices and the deterministic ``fit``.
+    """
+
+    def __init__(self, split, size: int, train: bool, augment: bool = True, seed: int = 0,
+                 skip_bad: bool = False):
+        self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
+        self.augment = train and augment
+        self.transform = train_transform(size, self.augment)
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitem__(self, key):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        image, index = self.read(index)
+        if self.augment:
+            # transforms.v2 draws from torch's global generator: a private one per sample, restored after.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed(self.seed, epoch, index))
+                image = self.transform(image)
+        else:
+            image = fit(image, self.size)
+        return image, int(self.split.labels[index])
+
+    def read(self, index: int) -> tuple[torch.Tensor, int]:
+        """The decoded image at ``index``; with skip_bad, an unreadable one is reported and the next
+        readable image (and its label) takes its place, the same one in every run."""
+        for attempt in range(len(self.split)):
+            at = (index + attempt) % len(self.split)
+            try:
+                return decode(self.split.encoded(at), self.split.name(at)), at
+            except BadImage as e:
+                if not self.skip_bad:
+                    raise
+                print(f"warning: {e}; skipped (--bad-images skip): the next readable image takes its place",
+                      file=sys.stderr, flush=True)
+        raise BadImage(f"no image of {self.split.name(index)}'s split can be decoded")
+
+
+class EpochSampler(Sampler):
+    """A shuffle that is a function of (seed, epoch) only, yielding (epoch, index) pairs so that
+    each sample's augmentation can be drawn from its epoch too. Accelerate's loader calls set_epoch
+    and gives each process its slice of every batch of these indices."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch)))
+        epoch = self.epoch
+        return ((epoch, index) for index in order.tolist())
+
+
+def default_workers(processes_per_node: int = 1) -> int:
+    """Loader workers per process: the CPU cores this process may use, shared among the processes
+    of the node, less one for the training loop itself; at least 1, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores // max(processes_per_node, 1) - 1))
+
+
+class _WorkerInit:
+    """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
+    transform added that draws from them; ours draw per sample and do not need it."""
+
+    def __init__(self, seed: int, process: int):
+        self.seed, self.process = seed, process
+
+    def __call__(self, worker: int):
+        import random
+
+        seed = sample_seed(self.seed, self.process, worker)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
+
+
+def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, augment: bool = True,
+                  seed: int = 0, process: int = 0, pin_memory: bool = False, skip_bad: bool = False) -> DataLoader:
+    """A DataLoader of uint8 (B, 3, size, size) batches decoded by ``workers`` processes.
+
+    Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
+    keep every image in order. Workers stay up between epochs (persistent_workers).
+    """
+    dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad)
+    return DataLoader(dataset, batch_size=batch_size, sampler=EpochSampler(len(split), seed) if train else None,
+                      drop_last=train, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory,
+                      worker_init_fn=_WorkerInit(seed, process), prefetch_factor=4 if workers else None)
+
+
+def report_bad_image(kind, error, traceback):
+    """sys.excepthook: a BadImage, raised in the main process or passed on from a worker (whose
+    message is then the worker's whole traceback), as one line and exit status 1."""
+    if issubclass(kind, BadImage):
+        message = str(error).strip().splitlines()[-1]
+        message = message.split("BadImage: ", 1)[-1]
+        print(f"error: {message}; replace or remove the file (or pass --bad-images skip to train without "
+              f"it), then start again with --resume", file=sys.stderr)
+        return
+    _previous_hook(kind, error, traceback)
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = report_bad_image
