@@ -36,8 +36,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     train = parser.add_argument_group("training")
     train.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
-                       help="random crop (4-pixel padding) and horizontal flip of training batches "
-                            "(default: on)")
+                       help="random crop and horizontal flip of training images: padded by 4 and cropped, or, "
+                            "through --loader workers above 64px, random-resized crops (default: on)")
     train.add_argument("--model", default="resnet18",
                        help=f"one of {', '.join(model_names())}, or torchvision:NAME for any torchvision "
                             "classifier with its ImageNet stem (default: %(default)s)")
@@ -136,10 +136,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                            "train on the rest, for data with no labelled test or validation split (default: "
                            "the data's own test split, else its validation split)")
     data.add_argument("--image-size", type=int, default=None, metavar="N",
-                      help="training and evaluation resolution N x N: training images are cropped at random "
-                           "(padded by 4 up to 64px, random-resized crops above) and flipped, evaluation images "
-                           "resized and centre-cropped (default: the images' own size when they share one "
-                           "square size, as CIFAR's 32, else 224)")
+                      help="training and evaluation resolution N x N: images are resized (shorter side) and "
+                           "centre-cropped to N, training ones then cropped at random (see --augment) (default: "
+                           "the images' own size when they share one square size, as CIFAR's 32, else 224)")
     data.add_argument("--loader", default="auto", choices=("auto", "device", "workers"),
                       help="device: decode every image once and keep them on the training device (fastest, if "
                            "they fit); workers: DataLoader workers decode and augment each batch (any size); auto: "

@@ -59,8 +59,10 @@ def bad_yaml(folder: Path):
 CASES = {
     "unknown model": (python("train_single.py"), [*DATA, "--model", "resnet99"], None,
                       "error: unknown model 'resnet99': choose one of resnet18"),
-    "unknown dataset": (python("train_single.py"), ["--dataset", "imagenet"], None,
-                        "error: argument --dataset: invalid choice: 'imagenet'"),
+    "unknown dataset": (python("train_single.py"), ["--dataset", "not a/name!"], None,
+                        "error: --dataset 'not a/name!' is neither one of cifar10, cifar100, synthetic nor a Hugging"),
+    "dataset not on the Hub": (python("train_single.py"), ["--dataset", "nobody/no-such-dataset"], None,
+                               "error: cannot load --dataset nobody/no-such-dataset:"),
     "unknown schedule": (python("train_single.py"), ["--schedule", "cosine"], None,
                          "error: argument --schedule: invalid choice: 'cosine'"),
     "batch size 0": (python("train_single.py"), [*SMALL, "--batch-size", "0"], None,
