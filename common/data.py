@@ -205,7 +205,7 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None, cache
         key = f"dir-{_files_key(root, files())}"
     else:
         check_dataset_name(dataset)
-        key = f"hub-{HUB_REPOS.get(dataset, dataset).replace('/', '--')}"
+        key = _hub_key(dataset)
     name = f"{key}{f'-{image_size}px' if image_size else ''}{'-skip' if skip_bad else ''}.pt"
 
     def build():
@@ -213,6 +213,23 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None, cache
                        seed)
         return decode_source(_checked(source, carving=bool(val_fraction)), image_size, skip_bad)
     return carve_decoded(_cached(cache_dir / name, build), val_fraction, seed)
+
+
+def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False) -> ImageData | None:
+    """The Hub dataset as an earlier run decoded and cached it at its own size, else None: with it
+    a run neither asks the Hub nor opens the `datasets` cache."""
+    path = Path(cache_dir or default_cache_dir()) / f"{_hub_key(dataset)}{'-skip' if skip_bad else ''}.pt"
+    if not path.is_file():
+        return None
+    with FileLock(f"{path}.lock"):  # not while a first run is still writing it
+        try:
+            return ImageData(**torch.load(path, weights_only=True, mmap=True))
+        except Exception:  # unreadable: load_image_data says so and rebuilds it
+            return None
+
+
+def _hub_key(dataset: str) -> str:
+    return f"hub-{HUB_REPOS.get(dataset, dataset).replace('/', '--')}"
 
 
 def default_cache_dir() -> str:
@@ -402,7 +419,9 @@ def _download(dataset: str, repo: str) -> ImageSource:
             if type(e).__name__ in ("DatasetNotFoundError", "FileNotFoundError", "RepositoryNotFoundError"):
                 raise UserError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub ({first_line(e)}); "
                                 f"check the id (owner/name) or pass --data-dir DIR") from None
-            raise
+            # e.g. a dataset of several configurations and no default, or a gated one without a token
+            raise UserError(f"cannot load --dataset {dataset} from the Hugging Face Hub ({first_line(e)}); load it "
+                            f"once with datasets.load_dataset and save_to_disk, then pass --data-dir DIR") from None
         if datasets.config.HF_HUB_OFFLINE:
             why = "HF_HUB_OFFLINE is set"
         else:

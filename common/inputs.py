@@ -22,7 +22,15 @@ import psutil
 import torch
 
 from common.batches import DEVICE_DATA_SHARE, BatchTransform, channel_stats, on_device, tensor_loader
-from common.data import DEFAULT_IMAGE_SIZE, TensorSplit, load_image_data, native_size, open_source
+from common.data import (
+    DEFAULT_IMAGE_SIZE,
+    TensorSplit,
+    cached_hub_data,
+    carve_decoded,
+    load_image_data,
+    native_size,
+    open_source,
+)
 from common.errors import UserError
 from common.images import BadImage, crop_mode, decode, default_workers, fit, worker_loader
 
@@ -61,18 +69,22 @@ class Inputs:
     @property
     def line(self) -> str:
         """For the start line: the loader, why, and the resolution."""
-        workers = f", {self.workers} workers per process" if self.loader == "workers" else ""
+        workers = f", {self.workers} worker{'s' * (self.workers != 1)} per process" if self.loader == "workers" else ""
         return f"{self.image_size}px, loader {self.loader}{workers} ({self.why})"
 
 
 def load_inputs(args, accelerator) -> Inputs:
     """The loaders of the data flags (common.cli.add_data_args) for ``accelerator``'s device and
     processes; one line and exit status 1 when the data or the flags cannot work."""
+    data = _cached(args, args.image_size)
+    if data is not None:
+        _check_batch_size(args.batch_size, len(data.train_labels))
+        inputs = _from_cache(args, accelerator, data, args.batch_size, args.seed, args.val_fraction, args.augment)
+        if inputs is not None:
+            return inputs
     source = open_source(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                          args.synthetic_test_size, seed=args.seed, val_fraction=args.val_fraction)
-    if len(source.train) < args.batch_size:
-        raise UserError(f"--batch-size {args.batch_size} is larger than the {len(source.train)} "
-                        f"training images: use a smaller --batch-size")
+    _check_batch_size(args.batch_size, len(source.train))
     return _build(args, accelerator, source, args.image_size, args.batch_size, args.seed, args.val_fraction,
                   augment=args.augment)
 
@@ -84,9 +96,41 @@ def load_test_inputs(args, accelerator, image_size: int | None, batch_size: int,
     names (a training run's --val-fraction and --seed) or the data's own test split."""
     eval_split = eval_split or {}
     val_fraction, seed = args.val_fraction or eval_split.get("val_fraction"), eval_split.get("seed", 0)
+    data = _cached(args, image_size)
+    if data is not None:
+        inputs = _from_cache(args, accelerator, data, batch_size, seed, val_fraction, normalization=normalization)
+        if inputs is not None:
+            return inputs
     source = open_source(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                          args.synthetic_test_size, seed=seed, val_fraction=val_fraction)
     return _build(args, accelerator, source, image_size, batch_size, seed, val_fraction, normalization=normalization)
+
+
+def _check_batch_size(batch_size: int, train_size: int) -> None:
+    if train_size < batch_size:
+        raise UserError(f"--batch-size {batch_size} is larger than the {train_size} training images: use a "
+                        f"smaller --batch-size")
+
+
+def _cached(args, image_size: int | None):
+    """A Hub dataset an earlier run decoded at its own size (CIFAR from the Hub, run after run): the
+    device path starts from it without asking the Hub or `datasets` anything."""
+    if args.loader == "workers" or args.data_dir is not None or args.dataset == "synthetic":
+        return None
+    data = cached_hub_data(args.dataset, args.cache_dir, args.bad_images == "skip")
+    if data is None or image_size not in (None, data.train_images.shape[-1]):
+        return None
+    return data
+
+
+def _from_cache(args, accelerator, data, batch_size, seed, val_fraction, augment=None, normalization=None):
+    size, device = data.train_images.shape[-1], accelerator.device
+    loader, why = choose_loader(args.loader, len(data.train_labels) + len(data.test_labels), size, device,
+                                args.loader_budget)
+    if loader != "device":
+        return None
+    return _on_device(args, device, carve_decoded(data, val_fraction, seed), batch_size, seed, val_fraction, augment,
+                      normalization, why)
 
 
 def _build(args, accelerator, source, image_size, batch_size, seed, val_fraction, augment=None,
@@ -97,30 +141,39 @@ def _build(args, accelerator, source, image_size, batch_size, seed, val_fraction
     device = accelerator.device
     loader, why = choose_loader(args.loader, len(source.train) + len(source.test), size, device,
                                 args.loader_budget)
-    skip_bad, training = args.bad_images == "skip", augment is not None
-    eval_split = {"val_fraction": val_fraction, "seed": seed} if val_fraction else None
+    skip_bad = args.bad_images == "skip"
     if loader == "device":
         # The first process to get there decodes (and downloads); the others wait, then read its cache.
         data = load_image_data(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                                args.synthetic_test_size, seed=seed, image_size=None if size == native else size,
                                val_fraction=val_fraction, skip_bad=skip_bad)
-        stats = (normalization["mean"], normalization["std"]) if normalization else channel_stats(data.train_images)
-        transform = BatchTransform(*stats, augment=bool(augment), channels_last=getattr(args, "channels_last", False))
-        data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
-        train_loader = tensor_loader(data.train_images, data.train_labels, batch_size, shuffle=True,
-                                     seed=seed) if training else None
-        return Inputs(train_loader, tensor_loader(data.test_images, data.test_labels, batch_size, shuffle=False),
-                      transform, data.classes, data.source, len(data.train_labels), len(data.test_labels), size,
-                      loader, why, 0, eval_split)
+        return _on_device(args, device, data, batch_size, seed, val_fraction, augment, normalization, why)
     workers = default_workers(local_processes(accelerator)) if args.workers is None else args.workers
     # Augmentation happens in the workers, per sample; on the device only the normalisation.
     stats = (normalization["mean"], normalization["std"]) if normalization else sample_stats(source.train, size)
     transform = BatchTransform(*stats, augment=False, channels_last=getattr(args, "channels_last", False))
     common = dict(size=size, batch_size=batch_size, workers=workers, seed=seed,
                   process=accelerator.process_index, pin_memory=device.type == "cuda", skip_bad=skip_bad)
-    train_loader = worker_loader(source.train, train=True, augment=augment, **common) if training else None
+    train_loader = worker_loader(source.train, train=True, augment=augment, **common) if augment is not None else None
     return Inputs(train_loader, worker_loader(source.test, train=False, **common), transform, source.classes,
-                  source.source, len(source.train), len(source.test), size, loader, why, workers, eval_split)
+                  source.source, len(source.train), len(source.test), size, loader, why, workers,
+                  _eval_split(val_fraction, seed))
+
+
+def _on_device(args, device, data, batch_size, seed, val_fraction, augment, normalization, why) -> Inputs:
+    """The device path's loaders of decoded ``data``; no training loader when ``augment`` is None."""
+    stats = (normalization["mean"], normalization["std"]) if normalization else channel_stats(data.train_images)
+    transform = BatchTransform(*stats, augment=bool(augment), channels_last=getattr(args, "channels_last", False))
+    data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
+    train_loader = tensor_loader(data.train_images, data.train_labels, batch_size, shuffle=True,
+                                 seed=seed) if augment is not None else None
+    return Inputs(train_loader, tensor_loader(data.test_images, data.test_labels, batch_size, shuffle=False),
+                  transform, data.classes, data.source, len(data.train_labels), len(data.test_labels),
+                  data.train_images.shape[-1], "device", why, 0, _eval_split(val_fraction, seed))
+
+
+def _eval_split(val_fraction, seed) -> dict | None:
+    return {"val_fraction": val_fraction, "seed": seed} if val_fraction else None
 
 
 def local_processes(accelerator) -> int:
