@@ -212,7 +212,10 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None, cache
         source = _open(dataset, data_dir, cache_dir, synthetic_train_size, synthetic_test_size, synthetic_classes,
                        seed)
         return decode_source(_checked(source, carving=bool(val_fraction)), image_size, skip_bad)
-    return carve_decoded(_cached(cache_dir / name, build), val_fraction, seed)
+    data = _cached(cache_dir / name, build)
+    if not val_fraction and not len(data.test_labels):  # cached by a run that carved its evaluation split
+        raise UserError(f"{data.source.split(' (cached at ')[0]} has no labelled evaluation split; {NO_EVAL_SPLIT}")
+    return carve_decoded(data, val_fraction, seed)
 
 
 def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False) -> ImageData | None:
@@ -575,10 +578,9 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: Path) -> ImageSource
     by_split = {split: [str(f) for f in files if re.search(rf"(^|[-_.]){split}[-_.]", f.name)]
                 for split in ("train", *EVAL_SPLITS)}
     by_split = {split: found for split, found in by_split.items() if found}
-    if "train" not in by_split or len(by_split) < 2:
-        raise UserError(f"--data-dir {root} has parquet files but not both train-*.parquet and test-*.parquet "
-                        f"(or validation-*.parquet) (found {', '.join(f.name for f in files[:4])}); add the missing "
-                        f"split")
+    if "train" not in by_split:  # with no test-*.parquet, _checked asks for --val-fraction
+        raise UserError(f"--data-dir {root} has parquet files but no train-*.parquet (found "
+                        f"{', '.join(f.name for f in files[:4])}); add the train split")
     for file in (f for found in by_split.values() for f in found):
         try:  # reads the footer, so a truncated download is caught here, by name
             pyarrow.parquet.read_schema(file)
@@ -668,7 +670,7 @@ def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageSource:
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{source} is not in CIFAR's pickle format ({first_line(e)}); "
                         f"download the CIFAR archive again") from None
-    return ImageSource(train, test, classes, f"CIFAR pickles from {source}")
+    return ImageSource(train, test, classes, f"CIFAR pickles from {source}; evaluated on test")
 
 
 def _read_image_folder(root: Path) -> ImageSource:
@@ -676,7 +678,8 @@ def _read_image_folder(root: Path) -> ImageSource:
     ImageFolder: a class is a folder, its images any file with an image suffix in it or below it."""
     def class_folders(split):
         return sorted(p.name for p in (root / split).iterdir() if p.is_dir() and not p.name.startswith("."))
-    evaluated = next((name for name in EVAL_SPLITS if (root / name).is_dir()), None)
+    # The first with class folders: a test/ of unlabelled images (as Kaggle's) is not evaluated on.
+    evaluated = next((name for name in EVAL_SPLITS if (root / name).is_dir() and class_folders(name)), None)
     classes = class_folders("train")
     if not classes:
         raise UserError(f"image folder {root / 'train'} has no class folders; put each class's images in "
@@ -693,14 +696,15 @@ def _read_image_folder(root: Path) -> ImageSource:
     for split in ("train", evaluated) if evaluated else ("train",):
         files = [(str(path), label) for label, name in enumerate(classes)
                  for path in sorted((root / split / name).rglob("*"))
-                 if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()]
+                 if path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
         if not files:
             raise UserError(f"image folder {root / split} has no image files ({', '.join(IMAGE_SUFFIXES)}); "
                             f"add the images")
         out.append(FileSplit([path for path, _ in files], torch.tensor([label for _, label in files],
                                                                          dtype=torch.int64)))
     if evaluated is None:  # the error, unless --val-fraction carves one, is _checked's
-        return ImageSource(out[0], None, classes, f"image folder {root} (no test/, val/ or validation/ folder)")
+        return ImageSource(out[0], None, classes,
+                           f"image folder {root} (no test/, val/ or validation/ folder of class folders)")
     return ImageSource(*out, classes=classes, source=f"image folder {root}; evaluated on {evaluated}")
 
 

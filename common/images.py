@@ -51,6 +51,8 @@ def decode(encoded, name: str) -> torch.Tensor:
             raise BadImage(f"cannot read image {name} ({first_line(e)})") from None
     try:
         image = decode_image(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        if image.ndim == 4:  # an animated GIF comes as all its frames: the first, as PIL reads it
+            image = image[0]
         if image.dtype != torch.uint8:  # 16-bit PNGs
             image = v2.functional.to_dtype(image, torch.uint8, scale=True)
         return image
@@ -199,17 +201,19 @@ def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, 
                       worker_init_fn=_WorkerInit(seed, process), prefetch_factor=4 if workers else None)
 
 
-def report_bad_image(kind, error, traceback):
-    """sys.excepthook: a BadImage, raised in the main process or passed on from a worker (whose
-    message is then the worker's whole traceback), as one line and exit status 1."""
-    if issubclass(kind, BadImage):
-        message = str(error).strip().splitlines()[-1]
-        message = message.split("BadImage: ", 1)[-1]
-        print(f"error: {message}; replace or remove the file (or pass --bad-images skip to train without "
-              f"it), then start again with --resume", file=sys.stderr)
+def report_bad_images() -> None:
+    """Make an unreadable image end the run in one line (exit status 1) wherever it was found: in
+    this process, or in a DataLoader worker, which passes the BadImage on with its whole traceback
+    as the message. Installed as sys.excepthook, around the hook already there."""
+    previous = sys.excepthook
+    if getattr(previous, "reports_bad_images", False):
         return
-    _previous_hook(kind, error, traceback)
 
-
-_previous_hook = sys.excepthook
-sys.excepthook = report_bad_image
+    def hook(kind, error, traceback):
+        if not issubclass(kind, BadImage):
+            return previous(kind, error, traceback)
+        message = str(error).strip().splitlines()[-1].split("BadImage: ", 1)[-1]
+        print(f"error: {message}; replace or remove the file, or pass --bad-images skip to train without it",
+              file=sys.stderr)
+    hook.reports_bad_images = True
+    sys.excepthook = hook

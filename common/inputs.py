@@ -20,6 +20,7 @@ import os
 
 import psutil
 import torch
+from accelerate.utils import broadcast_object_list
 
 from common.batches import DEVICE_DATA_SHARE, BatchTransform, channel_stats, on_device, tensor_loader
 from common.data import (
@@ -32,7 +33,7 @@ from common.data import (
     open_source,
 )
 from common.errors import UserError
-from common.images import BadImage, crop_mode, decode, default_workers, fit, worker_loader
+from common.images import BadImage, crop_mode, decode, default_workers, fit, report_bad_images, worker_loader
 
 # Decoding keeps the whole dataset in the host memory of the process that decodes it (and in the
 # page cache after): at most this share of the memory available when the run starts.
@@ -64,7 +65,7 @@ class Inputs:
                 "train_crop": crop_mode(self.image_size) if self.loader == "workers" else "pad",
                 "normalization": {"mean": self.transform.mean.flatten().tolist(),
                                   "std": self.transform.std.flatten().tolist()},
-                "eval_split": self.eval_split}
+                **({"eval_split": self.eval_split} if self.eval_split else {})}
 
     @property
     def line(self) -> str:
@@ -125,9 +126,9 @@ def _cached(args, image_size: int | None):
 
 def _from_cache(args, accelerator, data, batch_size, seed, val_fraction, augment=None, normalization=None):
     size, device = data.train_images.shape[-1], accelerator.device
-    loader, why = choose_loader(args.loader, len(data.train_labels) + len(data.test_labels), size, device,
+    loader, why = choose_loader(accelerator, args.loader, len(data.train_labels) + len(data.test_labels), size,
                                 args.loader_budget)
-    if loader != "device":
+    if loader != "device" or not (val_fraction or len(data.test_labels)):  # no test split: open_source says so
         return None
     return _on_device(args, device, carve_decoded(data, val_fraction, seed), batch_size, seed, val_fraction, augment,
                       normalization, why)
@@ -139,7 +140,7 @@ def _build(args, accelerator, source, image_size, batch_size, seed, val_fraction
     native = native_size(source)
     size = image_size or native or DEFAULT_IMAGE_SIZE
     device = accelerator.device
-    loader, why = choose_loader(args.loader, len(source.train) + len(source.test), size, device,
+    loader, why = choose_loader(accelerator, args.loader, len(source.train) + len(source.test), size,
                                 args.loader_budget)
     skip_bad = args.bad_images == "skip"
     if loader == "device":
@@ -149,6 +150,7 @@ def _build(args, accelerator, source, image_size, batch_size, seed, val_fraction
                                val_fraction=val_fraction, skip_bad=skip_bad)
         return _on_device(args, device, data, batch_size, seed, val_fraction, augment, normalization, why)
     workers = default_workers(local_processes(accelerator)) if args.workers is None else args.workers
+    report_bad_images()  # an unreadable image found by a worker: one line, not a worker's traceback
     # Augmentation happens in the workers, per sample; on the device only the normalisation.
     stats = (normalization["mean"], normalization["std"]) if normalization else sample_stats(source.train, size)
     transform = BatchTransform(*stats, augment=False, channels_last=getattr(args, "channels_last", False))
@@ -181,19 +183,37 @@ def local_processes(accelerator) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
 
 
-def choose_loader(wanted: str, images: int, size: int, device: torch.device, budget_gb: float | None):
-    """(loader, why): ``wanted`` (device, workers or auto) checked against the budget."""
+def choose_loader(accelerator, wanted: str, images: int, size: int, budget_gb: float | None) -> tuple[str, str]:
+    """(loader, why): ``wanted`` (device, workers or auto) checked against the main process's
+    budget, so that every process takes the same path even when their free memory differs."""
+    if accelerator.num_processes == 1:
+        return _choose(wanted, images, size, accelerator.device, budget_gb)
+    try:
+        choice = _choose(wanted, images, size, accelerator.device, budget_gb) if accelerator.is_main_process else None
+    except UserError as error:
+        choice = error.message
+    choice = broadcast_object_list([choice])[0]
+    if isinstance(choice, str):  # the main process's refusal, said by every process
+        raise UserError(choice)
+    return tuple(choice)
+
+
+def _choose(wanted: str, images: int, size: int, device: torch.device, budget_gb: float | None):
     need = images * 3 * size * size
     budget, of_what = data_budget(device, budget_gb)
-    summary = f"{images} images at {size}px decoded take {need / 1e9:.2f} GB, budget {budget / 1e9:.2f} GB ({of_what})"
+    summary = f"{images} images at {size}px decoded take {_gb(need)}, budget {_gb(budget)} ({of_what})"
     if wanted == "workers":
         return "workers", "--loader workers"
     if need <= budget:
         return "device", summary if wanted == "auto" else "--loader device"
     if wanted == "device":
-        raise UserError(f"--loader device: the {images} images at {size}px decoded take {need / 1e9:.2f} GB, over "
-                        f"the budget of {budget / 1e9:.2f} GB ({of_what}); use --loader workers (or auto)")
+        raise UserError(f"--loader device: the {images} images at {size}px decoded take {_gb(need)}, over "
+                        f"the budget of {_gb(budget)} ({of_what}); use --loader workers (or auto)")
     return "workers", summary
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
 def data_budget(device: torch.device, budget_gb: float | None) -> tuple[float, str]:

@@ -1,5 +1,6 @@
 """common/data.py: every source format decodes to the same tensors, caches are reused and
-invalidated, synthetic data is deterministic, and bad input ends in one line naming the culprit.
+invalidated, synthetic data is deterministic, an image of another size is resized, and bad input
+ends in one line naming the culprit (or, with skip_bad, is left out with a warning naming it).
 
 The fixtures write one small dataset (3 named classes, 24 train / 12 test random 32x32 images)
 in every format the loader reads, the way the real tools write them.
@@ -209,9 +210,10 @@ def test_unreadable_cache_file_is_rebuilt_with_a_warning(fake_hub, source, tmp_p
 def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkeypatch):
     folder = copy_of(formats["image_folder"], tmp_path)
     cache = str(tmp_path / "cache")
-    decoded = []  # number of images per decoding pass
-    decode = data_module._decode_images
-    monkeypatch.setattr(data_module, "_decode_images", lambda items: decoded.append(len(items)) or decode(items))
+    decoded = []  # number of images per decoding pass (one per split)
+    decode_split = data_module.decode_split
+    monkeypatch.setattr(data_module, "decode_split",
+                        lambda split, *args: decoded.append(len(split)) or decode_split(split, *args))
     before = load_image_data(data_dir=str(folder), cache_dir=cache)
     assert_same(load_image_data(data_dir=str(folder), cache_dir=cache), before)
     assert decoded == [24, 12]
@@ -307,17 +309,39 @@ def test_truncated_tar_gz_is_named(formats, tmp_path):
     assert str(archive) in error_of(data_dir=str(archive), cache_dir=str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other size"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_bad_image_in_image_folder_is_named(damage, formats, tmp_path):
     folder = copy_of(formats["image_folder"], tmp_path)
     broken = sorted((folder / "test" / "dog").iterdir())[0]
     if damage == "garbage":
         broken.write_bytes(b"not a png at all")
-    elif damage == "truncated":
-        broken.write_bytes(broken.read_bytes()[:200])
     else:
-        broken.write_bytes(png(torch.zeros(3, 16, 16, dtype=torch.uint8)))
-    assert str(broken) in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+        broken.write_bytes(broken.read_bytes()[:200])
+    message = error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+    assert str(broken) in message and "--bad-images skip" in message
+
+
+def test_bad_image_is_left_out_with_skip_bad(formats, source, tmp_path, caplog):
+    folder = copy_of(formats["image_folder"], tmp_path)
+    broken = sorted((folder / "test" / "dog").iterdir())[0]
+    broken.write_bytes(b"not a png at all")
+    loaded = load_image_data(data_dir=str(folder), cache_dir=str(tmp_path / "cache"), skip_bad=True)
+    assert len(loaded.test_labels) == len(source.test_labels) - 1
+    dog = CLASSES.index("dog")
+    assert loaded.test_labels.tolist().count(dog) == source.test_labels.tolist().count(dog) - 1
+    assert str(broken) in caplog.text and "--bad-images skip" in caplog.text
+
+
+def test_image_of_another_size_is_resized_to_the_size_of_the_others(formats, tmp_path):
+    """Images need not share a size: one of 16x16 among 32x32 ones is resized (and, were it not
+    square, centre-cropped) to 32x32, the size the others share."""
+    folder = copy_of(formats["image_folder"], tmp_path)
+    small = sorted((folder / "test" / "dog").iterdir())[0]
+    small.write_bytes(png(torch.full((3, 16, 16), 200, dtype=torch.uint8)))
+    loaded = load_image_data(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+    assert loaded.test_images.shape[1:] == (3, 32, 32)
+    first_dog = loaded.test_labels.tolist().index(CLASSES.index("dog"))
+    assert torch.equal(loaded.test_images[first_dog], torch.full((3, 32, 32), 200, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("damage", ["missing", "not a pickle"])
@@ -337,8 +361,8 @@ def test_data_dir_and_dataset_errors(tmp_path):
     (tmp_path / "other" / "stuff").mkdir(parents=True)
     (tmp_path / "other" / "notes.txt").write_text("hello")
     assert "no data in a known format" in error_of(data_dir=str(tmp_path / "other"))
-    message = error_of(dataset="imagenet")
-    assert "'imagenet'" in message and "cifar10, cifar100, synthetic" in message
+    message = error_of(dataset="not a/name!")  # a bare name, e.g. food101, may be a Hub id
+    assert "'not a/name!'" in message and "cifar10, cifar100, synthetic" in message
     assert "--data-dir" in error_of(dataset="synthetic", data_dir=str(tmp_path))
 
 
