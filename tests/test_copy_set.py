@@ -1,6 +1,7 @@
 """common/ is the copy set: what a person takes along with one training script, and nothing else.
 
-At most 10 modules, every one of them used by the training scripts, none reaching into bench/ (the
+At most 12 modules (the input path takes four: sources, per-sample decoding in workers, batches on
+the device, and the choice between the two), every one of them used by the training scripts, none reaching into bench/ (the
 benchmark's and the machine check's tools), and each script runs with common/ alone beside it.
 """
 
@@ -30,9 +31,9 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-def test_common_is_at_most_ten_modules_all_used_by_the_training_scripts():
+def test_common_is_at_most_twelve_modules_all_used_by_the_training_scripts():
     modules = {f"common.{p.stem}" for p in (ROOT / "common").glob("*.py") if p.stem != "__init__"}
-    assert len(modules) <= 10, sorted(modules)
+    assert len(modules) <= 12, sorted(modules)
     used, todo = set(), {m for s in TRAINING for m in imported_modules(ROOT / "scripts" / f"{s}.py")}
     while todo:  # what the scripts import, and what that imports in turn
         module = todo.pop()
