@@ -13,6 +13,11 @@ check, common/parallel.py), so the host stays within about a step of the device 
 measured steps, these CPU times follow the device's pace. With fp16, GradScaler skips the
 optimizer step when the gradients overflow but updates its scale at every step, so a run that uses
 a scaler is timed by its scale updates instead.
+
+``data_wait`` holds each step's wait for its batch, as the scripts' common.tracking.DataWait measures
+it (the host clock on a CPU, CUDA events on a GPU), one value a step: the scripts log only its sum
+per epoch (data_wait_frac), warm-up included, and the benchmark leaves the warm-up out, as it does
+for step times, because the first batch of a run also waits for the DataLoader workers to start.
 """
 
 import atexit
@@ -27,9 +32,11 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from common.tracking import DataWait
+
 
 def read(times_file: str, rank: int = 0) -> dict:
-    """What process ``rank`` recorded for ``times_file``: step_end and peak_rss_gb."""
+    """What process ``rank`` recorded for ``times_file``: step_end, data_wait and peak_rss_gb."""
     return json.loads(Path(f"{times_file}.{rank}").read_text())
 
 
@@ -47,9 +54,32 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def _write(path: str, steps: list[float], scaler_updates: list[float]) -> None:
-    record = {"step_end": scaler_updates or steps, "peak_rss_gb": round(peak_rss_bytes() / 1e9, 3)}
+def _write(path: str, steps: list[float], scaler_updates: list[float], waits: list[float]) -> None:
+    record = {"step_end": scaler_updates or steps, "data_wait": waits, "peak_rss_gb": round(peak_rss_bytes() / 1e9, 3)}
     Path(path).write_text(json.dumps(record))
+
+
+def record_data_waits() -> list[float]:
+    """Each DataWait span in seconds, in order, from DataWait's own clock: on a CPU the host time
+    each ``stop`` adds; on a GPU each pair of CUDA events, read where ``seconds`` reads them (once an
+    epoch, after waiting for the last one)."""
+    waits: list[float] = []
+    stop, seconds = DataWait.stop, DataWait.seconds
+
+    def timed_stop(self):
+        before = self.total
+        stop(self)
+        if not self.cuda:
+            waits.append(self.total - before)
+
+    def timed_seconds(self):
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            waits.extend(start.elapsed_time(end) / 1000 for start, end in self.spans)
+        return seconds(self)
+
+    DataWait.stop, DataWait.seconds = timed_stop, timed_seconds
+    return waits
 
 
 def main() -> None:
@@ -67,8 +97,9 @@ def main() -> None:
         return result
 
     torch.amp.GradScaler.update = timed_update
+    waits = record_data_waits()
     rank = os.environ.get("RANK", "0")
-    atexit.register(_write, f"{times_file}.{rank}", steps, scaler_updates)
+    atexit.register(_write, f"{times_file}.{rank}", steps, scaler_updates, waits)
     sys.argv = sys.argv[2:]  # the script sees its own command line
     runpy.run_path(script, run_name="__main__")
 

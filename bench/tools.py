@@ -12,6 +12,7 @@ import os
 import pickle
 import platform
 import signal
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -478,6 +479,10 @@ def _fmt_memory(values: list[float], kind: str) -> str:
     return (", ".join(f"{v:.2f}" for v in values) + f" GB ({kind})") if values else "-"
 
 
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _fmt_share(value) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
@@ -501,6 +506,9 @@ STRATEGY_HEADER = ["strategy", "processes", "global batch", "img/s", "50,000-ima
 SWEEP_HEADER = ["batch per device", "global batch", "img/s", "50,000-image epoch", "peak memory per device",
                 "data wait", "other work"]
 CHECK_HEADER = ["check", "measured", "target", "result"]
+LOADER_HEADER = ["pipeline", "img/s, each round", "img/s, median"]
+INPUT_ROW_HEADER = ["row", "input path", "global batch", "img/s", "data wait (logged, warm-up included)",
+                    "data wait after the warm-up", "other work"]
 
 
 def strategy_table(rows: list[dict]) -> str:
@@ -527,6 +535,37 @@ def check_table(checks: list[dict]) -> str:
     return markdown_table(CHECK_HEADER, [[c["check"], c["measured"], c["target"], verdict(c)] for c in checks])
 
 
+def input_tables(report: dict) -> list[str]:
+    """The input paths section: the loader comparison and the data wait of the workers rows beside
+    the `single` row's (the device path)."""
+    inputs, parts = report.get("inputs") or {}, []
+    if "rates" in inputs:
+        folder, workers = inputs["folder"], count(inputs["workers"], "DataLoader worker")
+        names = {"ours": "workers path: worker_loader (decode_image, transforms.v2) + normalise on the device",
+                 "torchvision": "torchvision ImageFolder + PIL RandomResizedCrop, flip, ToTensor, Normalize"}
+        parts += [f"Loaders, {workers} each, batch {inputs['batch']}, 224 px crops of {folder['train_files']} JPEGs "
+                  f"({folder['sides'][0]}-{folder['sides'][1]} px a side, quality {folder['quality']}, "
+                  f"{folder['mean_kb']:.0f} KB on average); one epoch of each per round, the order swapped every "
+                  f"round, after a warm-up epoch each:", "",
+                  markdown_table(LOADER_HEADER, [[names[key], ", ".join(_fmt_rate(r) for r in rates),
+                                                  _fmt_rate(statistics.median(rates))]
+                                                 for key, rates in inputs["rates"].items()]), "",
+                  f"Ratio, workers path / torchvision: {inputs['ratio']:.2f}x (the median of the rounds' ratios).", ""]
+    if inputs.get("rows"):
+        cells = []
+        for r in [r for r in report["rows"] if r["name"] == "single"] + inputs["rows"]:
+            name = f"`{r['name']}`: {r['label']}"
+            if r.get("error"):
+                cells.append([name, f"failed: {r['error']}"] + [""] * 5)
+                continue
+            path = r["loader"] + (f", {count(r['loader_workers'], 'worker')}" if r["loader"] == "workers" else "")
+            cells.append([name, path, str(r["global_batch"]), _fmt_rate(r["img_per_s"]),
+                          _fmt_share(r["data_wait_frac"]), _fmt_share(r["data_wait_steady_frac"]),
+                          _fmt_share(r.get("other_work"))])
+        parts += [markdown_table(INPUT_ROW_HEADER, cells), ""]
+    return ["## Input paths", "", *parts] if parts else []
+
+
 def write_markdown(path: Path, report: dict) -> None:
     parts = [f"# Benchmark: {report['title']}", "",
              (f"Measured {report['started']} on {describe_machine(report['machine'])}, in "
@@ -537,6 +576,7 @@ def write_markdown(path: Path, report: dict) -> None:
     parts += ["Protocol: " + report["protocol"], ""]
     if report["sweep"]:
         parts += [f"## Batch size sweep (`{report['sweep'][0]['name']}`)", "", sweep_table(report["sweep"]), ""]
+    parts += input_tables(report)
     if report["checks"]:
         parts += ["## Checks", "", check_table(report["checks"]), "",
                   (f"Other work: the share of the CPU that other processes used while a row or check was measured; "

@@ -68,11 +68,12 @@ class BatchTransform:
         return padded[batch, channel, rows.view(b, 1, h, 1), cols.view(b, 1, 1, w)]
 
 
-def channel_stats(images: torch.Tensor, chunk: int = 4096):
+def channel_stats(images: torch.Tensor, chunk_bytes: int = 2**27):
     """Per-channel mean and standard deviation of uint8 images (N, C, H, W), in the 0..255 scale."""
     total = torch.zeros(images.shape[1], dtype=torch.float64)
     total_sq = torch.zeros_like(total)
-    for start in range(0, len(images), chunk):  # chunks keep the float64 copy small
+    chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
+    for start in range(0, len(images), chunk):  # 128 MB of float64 at a time, whatever the image size
         part = images[start:start + chunk].to(torch.float64)
         total += part.sum(dim=(0, 2, 3))
         total_sq += part.square().sum(dim=(0, 2, 3))

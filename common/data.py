@@ -75,20 +75,24 @@ class ImageData:
 class FileSplit:
     """Image files and their labels."""
 
-    def __init__(self, paths: list[str], labels: torch.Tensor):
-        self.paths, self.labels = paths, labels
+    def __init__(self, paths, labels: torch.Tensor):
+        # One numpy array of bytes, not a list of str: a forked worker that reads a Python object
+        # writes its reference count and so copies its page, and over an epoch a worker would copy
+        # every page of a list of a million names (pytorch/pytorch#13246).
+        self.paths = paths if isinstance(paths, np.ndarray) else np.array([os.fsencode(p) for p in paths])
+        self.labels = labels
 
     def __len__(self):
         return len(self.labels)
 
     def encoded(self, i: int):
-        return self.paths[i]
+        return os.fsdecode(self.paths[i])
 
     def name(self, i: int) -> str:
-        return self.paths[i]
+        return os.fsdecode(self.paths[i])
 
     def subset(self, indices: torch.Tensor) -> "FileSplit":
-        return FileSplit([self.paths[i] for i in indices.tolist()], self.labels[indices])
+        return FileSplit(self.paths[indices.numpy()], self.labels[indices])
 
 
 class ArrowSplit:

@@ -23,6 +23,11 @@ Checks (--checks), the project's speed targets, each a ratio of two things measu
                 batch, data on the device; bench/tools.py PlainLoop)
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
                 DataLoader with 2 workers; data wait < 2 % of train_single's step time
+    loader      the workers path (common.images.worker_loader + the normalisation on the device) >= 1.5 x
+                torchvision's ImageFolder with PIL transforms, same workers and batch, on JPEGs of ImageNet's
+                sizes the benchmark writes (bench/loaders.py), 224 px crops
+    workers     data wait of train_single --loader workers, reported: the `single` row's model at 32 px
+                (its images as PNG files), torchvision:resnet50 at 224 px (the JPEGs)
     precision   bf16 autocast + channels_last >= 1.8 x fp32, one training step of the plain loop
     compute     train_single fp32 FLOP/s (FlopCounterMode's count per image) >= 85 % of the matmul peak
                 measured in the math its fp32 runs in: TF32 on GPUs of compute capability 8.0 and
@@ -35,7 +40,8 @@ Launch:
     python scripts/benchmark.py --model resnet50 --per-device-batch-size 256 --steps 50        # GPUs
     python scripts/benchmark.py --sweep-batch-size 32 64 128 256 512 --checks none
     python scripts/benchmark.py --dataset cifar10 --checks none # real CIFAR-10 (Hub, cached) instead
-    make bench                                                  # the CPU benchmark, ~10 min on 2 cores
+    python scripts/benchmark.py --strategies single --checks loader workers   # the input paths only
+    make bench                                                  # the CPU benchmark, ~15 min on 2 cores
 Writes benchmark.json (every figure, the protocol, the machine), benchmark.md (the tables) and
 benchmark.png (the chart) to --output-dir; the exit status is 1 if a row failed to run.
 """
@@ -52,19 +58,23 @@ from pathlib import Path
 
 import torch
 
-from bench import steptimer, tools
+from bench import loaders, steptimer, tools
 from common.checkpoint import new_run_dir, write_json
 from common.cli import Parser
 from common.data import make_synthetic
 from common.errors import UserError
+from common.images import default_workers
 from common.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
-CHECKS = ("overhead", "data", "precision", "compute", "compile")
+CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile")
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 WARMUP_STEPS = 2  # steps left out of every measurement: the first allocates, tunes kernels, fills caches
+LARGE_MODEL, LARGE_SIZE = "torchvision:resnet50", 224  # the workers check's ImageNet-sized row
+# Its batch without GPUs: ResNet-50 at 224 px trains at about 4 img/s on 2 CPU cores, 2 s a step.
+LARGE_CPU_BATCH = 8
 
 PROTOCOL = (
     "each row launches its script {repeats}, as users launch it, for {warmup} + N optimizer steps "
@@ -74,7 +84,8 @@ PROTOCOL = (
     "and the odd step stalled by other work do not move. {data} 50,000-image epoch = 50,000 / img/s. "
     "Speed-up = img/s over the `single` row's; scaling efficiency = speed-up / devices{cpu}; for fp16/bf16 rows "
     "both include the precision's gain. Peak memory: {memory}. Data wait: the share of the training loop's time "
-    "spent fetching and augmenting batches (the scripts' data_wait_frac, warm-up included). Other work: the "
+    "spent fetching and augmenting batches (the scripts' data_wait_frac, warm-up included; after the warm-up: "
+    "the same wait, recorded per step by bench.steptimer, over the measured steps' time). Other work: the "
     "share of the CPU that other processes used while the row ran")
 
 
@@ -87,6 +98,9 @@ class Strategy:
     devices: int  # GPUs the global batch is spread over; the CPU is 1 device, however many processes
     precision: str = "fp32"
     flags: tuple[str, ...] = ()
+    model: str | None = None  # instead of --model
+    data: tuple[str, ...] | None = None  # data flags instead of --dataset / --data-dir
+    batch: int | None = None  # global batch instead of the one the batch-size flags give
 
     def launcher(self) -> list[str]:
         if self.processes == 1:
@@ -142,6 +156,9 @@ def parse_args(argv=None):
                         help="ratio checks to run after the rows (default: all)")
     parser.add_argument("--loader-images", type=int, default=10_000,
                         help="images per epoch in the data check's loader comparison (default: %(default)s)")
+    parser.add_argument("--loader-files", type=int, default=None,
+                        help="JPEG files (300-500 px a side) per epoch in the loader check (default: 4 batches per "
+                             "loader worker, at least 256)")
     parser.add_argument("--matmul-size", type=int, default=4096,
                         help="side of the square matmuls that measure the peaks (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800,
@@ -149,10 +166,14 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", default=None,
                         help="where the report files go (default: a new runs/benchmark-<date>-<time>)")
     args = parser.parse_args(argv)
-    for flag in ("per_device_batch_size", "global_batch_size", "steps", "repeats", "loader_images", "matmul_size"):
+    for flag in ("per_device_batch_size", "global_batch_size", "steps", "repeats", "loader_images", "loader_files",
+                 "matmul_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be 1 or more")
+    if args.loader_files is not None and args.loader_files < args.per_device_batch_size:
+        raise UserError(f"--loader-files {args.loader_files}: less than one batch of --per-device-batch-size "
+                        f"{args.per_device_batch_size}; raise it")
     if args.data_dir and args.dataset == "synthetic":
         raise UserError(f"--data-dir {args.data_dir} with --dataset synthetic: add --dataset cifar10 (or cifar100)")
     return args
@@ -165,12 +186,15 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
     the time of each step after the warm-up, the data wait and the peak memory."""
     max_steps = WARMUP_STEPS + steps
     output_dir = workdir / f"{strategy.name}-b{global_batch}-{time.monotonic_ns()}"
-    if args.dataset == "synthetic":  # one batch more than the steps: the run stops inside its one epoch
+    if strategy.data is not None:
+        data = list(strategy.data)
+    elif args.dataset == "synthetic":  # one batch more than the steps: the run stops inside its one epoch
         data = ["--dataset", "synthetic", "--synthetic-train-size", str((max_steps + 1) * global_batch),
                 "--synthetic-test-size", str(max(global_batch, 10))]
     else:
         data = ["--dataset", args.dataset, *(["--data-dir", args.data_dir] if args.data_dir else [])]
-    script = [f"scripts/{strategy.script}", "--model", args.model, "--batch-size", str(global_batch), "--epochs",
+    model = strategy.model or args.model
+    script = [f"scripts/{strategy.script}", "--model", model, "--batch-size", str(global_batch), "--epochs",
               "1", "--max-steps", str(max_steps), *strategy.flags, *data, "--report-to", "none", "--output-dir",
               str(output_dir)]
     times_file = str(workdir / f"{output_dir.name}-steps")
@@ -186,11 +210,15 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
     if len(metrics) != 1 or metrics[0]["step"] != max_steps:
         raise RuntimeError(f"{max_steps} steps did not fit in one epoch; use a smaller --steps")
     ranks = [steptimer.read(times_file, rank) for rank in range(strategy.processes)]
-    times = ranks[0]["step_end"]  # rank 0's: DDP's all-reduce keeps the processes in step
-    if len(times) != max_steps:
-        raise RuntimeError(f"the step timer saw {len(times)} of the {max_steps} steps")
-    return {"steps": max_steps, "step_end": times,
-            "step_seconds": [end - start for start, end in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])],
+    times, waits = ranks[0]["step_end"], ranks[0]["data_wait"]  # rank 0's: DDP keeps the processes in step
+    if len(times) != max_steps or len(waits) != max_steps:
+        raise RuntimeError(f"the step timer saw {len(times)} of the {max_steps} steps, {len(waits)} data waits")
+    step_seconds = [end - start for start, end in zip(times[WARMUP_STEPS - 1:], times[WARMUP_STEPS:])]
+    config = json.loads((output_dir / "config.json").read_text())
+    return {"steps": max_steps, "step_end": times, "step_seconds": step_seconds, "data_wait": waits,
+            # The waits of the measured steps, each inside its step's interval, over those intervals.
+            "data_wait_steady_frac": sum(waits[WARMUP_STEPS:]) / sum(step_seconds),
+            "loader": config["loader"], "loader_workers": config["loader_workers"],
             "epoch_time_s": metrics[0]["epoch_time_s"], "data_wait_frac": metrics[0]["data_wait_frac"],
             "wall_s": round(run.wall_s, 2),
             "peak_memory_gb": run.peak_memory_gb if gpus else [r["peak_rss_gb"] for r in ranks],
@@ -214,7 +242,7 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
             between=lambda: None) -> dict:
     """One row by the protocol. ``between`` runs before the first launch and after each one: the
     checks' plain-loop rounds, so that the row's launches sit between rounds measured beside them."""
-    global_batch = args.global_batch_size or per_device_batch * strategy.devices
+    global_batch = strategy.batch or args.global_batch_size or per_device_batch * strategy.devices
     row = {**dataclasses.asdict(strategy), "per_device_batch": global_batch // strategy.devices,
            "global_batch": global_batch, "memory_kind": "unknown",
            "img_per_s": None, "epoch_50k_s": None, "data_wait_frac": None, "peak_memory_gb": [], "runs": []}
@@ -240,11 +268,14 @@ def measure(strategy, args, per_device_batch: int, steps: int, gpus: int, workdi
     row["img_per_s"] = global_batch / row["step_seconds"]["median"]
     row["epoch_50k_s"] = EPOCH_IMAGES / row["img_per_s"]
     row["data_wait_frac"] = statistics.median(run["data_wait_frac"] for run in row["runs"])
+    row["data_wait_steady_frac"] = statistics.median(run["data_wait_steady_frac"] for run in row["runs"])
+    row["loader"], row["loader_workers"] = row["runs"][-1]["loader"], row["runs"][-1]["loader_workers"]
     peaks, row["memory_kind"] = peak_memory(row["runs"], gpus)
     row["peak_memory_gb"] = peaks[:strategy.devices] if gpus else peaks  # GPUs the row used; CPU: per process
     row["command"] = row["runs"][-1]["command"]
     print(f"  {row['img_per_s']:.1f} img/s (median of {len(seconds)} steps, {row['step_seconds']['min']:.3f} to "
-          f"{row['step_seconds']['max']:.3f} s), data wait {100 * row['data_wait_frac']:.1f} %", flush=True)
+          f"{row['step_seconds']['max']:.3f} s), data wait {100 * row['data_wait_frac']:.1f} % "
+          f"({100 * row['data_wait_steady_frac']:.1f} % after the warm-up)", flush=True)
     errors = sorted({run["memory_error"] for run in row["runs"] if run.get("memory_error")})
     if errors:
         print(f"  peak memory: {row['memory_kind']}, as {'; '.join(errors)}", flush=True)
@@ -266,12 +297,13 @@ def check(name, value, passed, measured, target, note="", other_work=None):
             "other_work": other_work}
 
 
-def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list[dict]:
+def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=None) -> list[dict]:
     """The ratio checks. ``single`` is the train_single row; ``plain`` and ``peaks`` hold the
     plain-loop img/s and matmul FLOP/s of the rounds that ran around its launches (the fp32 peak in
     the math the fp32 rows run in: TF32 where tools.uses_tf32, the strict peak beside it). The speed
     of a shared machine drifts by tens of percent within minutes, so each ratio compares things
-    measured in the same minutes, by medians, which the occasional stalled step does not move."""
+    measured in the same minutes, by medians, which the occasional stalled step does not move.
+    ``inputs`` is input_paths' report, for the loader and workers checks."""
     results, batch = [], args.per_device_batch_size
     script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
     plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
@@ -293,6 +325,7 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device) -> list
         results[-1].update(train_single_step_seconds=script_steps, plain_step_seconds=list(plain_steps))
     if "data" in checks:
         results += data_checks(single, args, device)
+    results += input_checks(inputs or {})
     fp32_math = "TF32" if tools.uses_tf32(device) else "fp32"  # what the fp32 rows and loops compute in
     strict = (f"; the strict fp32 matmul peak is {statistics.median(peaks['fp32_strict']) / 1e9:,.0f} GFLOP/s"
               if peaks.get("fp32_strict") else "")
@@ -335,8 +368,82 @@ def data_checks(single, args, device) -> list[dict]:
     if single.get("img_per_s"):
         share = single["data_wait_frac"]
         results.append(check("data wait: train_single's share of step time", share, share < 0.02,
-                             f"{100 * share:.2f} % ({args.model}, batch {args.per_device_batch_size})", "< 2 %",
+                             f"{100 * share:.2f} % ({args.model}, batch {args.per_device_batch_size}; "
+                             f"{100 * single['data_wait_steady_frac']:.2f} % after the warm-up)", "< 2 %",
                              other_work=single["other_work"]))
+    return results
+
+
+# ------------------------------------------------------------------------------ input paths
+
+def input_paths(checks, args, steps, gpus, device, workdir: Path) -> dict:
+    """The loader check (our workers path against torchvision's ImageFolder + PIL, epochs
+    alternated) and the workers check's rows (train_single --loader workers, by the protocol), on
+    image folders written to ``workdir``: JPEGs of ImageNet's sizes, and the `single` row's
+    synthetic images as 32 px PNGs (CIFAR's format), or its --dataset itself."""
+    workers, batch = default_workers(), args.per_device_batch_size
+    large_batch = batch if gpus else LARGE_CPU_BATCH
+    files = args.loader_files or max(256, 4 * workers * batch)  # 4 batches a worker: no worker idles long
+    if "workers" in checks:  # one epoch of the large row, with a batch to spare, as launch's synthetic data
+        files = max(files, (WARMUP_STEPS + steps + 1) * large_batch)
+    jpegs = workdir / "jpeg"
+    print(f"input paths: writing {files} JPEGs of {loaders.SIDES[0]}-{loaders.SIDES[1]} px ...", flush=True)
+    out = {"folder": loaders.write_jpeg_folder(jpegs, files), "workers": workers, "batch": batch, "rows": []}
+    if "workers" in checks:
+        out["rows"] = [measure(row, args, batch, steps, gpus, workdir)
+                       for row in workers_rows(args, steps, jpegs, large_batch, workdir)]
+    if "loader" in checks:
+        print(f"loader: workers path vs torchvision ImageFolder + PIL, {tools.count(workers, 'worker')}, "
+              f"batch {batch}, {files} files ...", flush=True)
+        other_work = tools.OtherWork()
+        out["rates"] = loaders.compare_loaders(jpegs, batch, workers, device)
+        out["ratio"], out["other_work"] = loaders.ratio(out["rates"]), other_work.share()
+    return out
+
+
+def workers_rows(args, steps, jpegs: Path, large_batch: int, workdir: Path) -> list[Strategy]:
+    """train_single --loader workers (the scripts' default worker count) on the `single` row's model,
+    batch and images, and on ResNet-50 at 224 px."""
+    if args.dataset == "synthetic":  # the `single` row's synthetic images (launch), as files to decode
+        batch = args.global_batch_size or args.per_device_batch_size
+        pngs = workdir / "png"
+        loaders.write_png_folder(pngs, make_synthetic((WARMUP_STEPS + steps + 1) * batch, max(batch, 10)))
+        small = ("--data-dir", str(pngs), "--image-size", "32")
+        where = "the `single` row's images as PNG files"
+    else:
+        small = ("--dataset", args.dataset, *(("--data-dir", args.data_dir) if args.data_dir else ()))
+        where = args.data_dir or args.dataset
+    flags = ("--loader", "workers")
+    return [Strategy("workers32", f"train_single --loader workers, {args.model} at 32 px on {where}",
+                     "train_single.py", 1, 1, flags=flags, model=args.model, data=small),
+            Strategy("workers224", f"train_single --loader workers, {LARGE_MODEL} at {LARGE_SIZE} px on the JPEGs",
+                     "train_single.py", 1, 1, flags=flags, model=LARGE_MODEL, batch=large_batch,
+                     data=("--data-dir", str(jpegs), "--image-size", str(LARGE_SIZE)))]
+
+
+def input_checks(inputs: dict) -> list[dict]:
+    """The loader check's ratio against its target, and the workers rows' data wait, reported."""
+    results = []
+    if "rates" in inputs:
+        rates, ratio, folder = inputs["rates"], inputs["ratio"], inputs["folder"]
+        ours, theirs = statistics.median(rates["ours"]), statistics.median(rates["torchvision"])
+        results.append(check(
+            f"loader: workers path / torchvision ImageFolder + PIL, {tools.count(inputs['workers'], 'worker')}",
+            ratio, ratio >= 1.5,
+            f"{ratio:.2f}x ({ours:,.0f} vs {theirs:,.0f} img/s, {loaders.SIZE} px crops, batch {inputs['batch']})",
+            ">= 1.5x", f"{folder['train_files']} JPEGs of {folder['sides'][0]}-{folder['sides'][1]} px a side, "
+                       f"{folder['mean_kb']:.0f} KB on average; the median of {len(rates['ours'])} rounds, each an "
+                       f"epoch of each pipeline back to back (the order swapped every round), after a warm-up "
+                       f"epoch each", inputs["other_work"]))
+    for row in inputs.get("rows", []):
+        if row.get("error"):
+            continue
+        share, workers = row["data_wait_steady_frac"], tools.count(row["loader_workers"], "worker")
+        results.append(check(
+            f"data wait: {row['label']}", share, None,
+            f"{100 * share:.2f} % after the warm-up, {100 * row['data_wait_frac']:.2f} % with it (batch "
+            f"{row['global_batch']}, {workers}, {tools._fmt_rate(row['img_per_s'])} img/s)",
+            "reported", other_work=row["other_work"]))
     return results
 
 
@@ -469,13 +576,16 @@ def main(args):
             same = next((r for r in rows if r["name"] == args.sweep_strategy
                          and r["per_device_batch"] == batch and not args.global_batch_size), None)
             sweep.append(same or measure(available[args.sweep_strategy], args, batch, steps, gpus, Path(workdir)))
+        inputs = input_paths(checks, args, steps, gpus, device, Path(workdir)) \
+            if {"loader", "workers"} & set(checks) else {}
     single = next((r for r in rows if r["name"] == "single"), {})
-    results = run_checks(checks, single, plain, peaks, loops, args, steps, device) if checks else []
+    results = run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs) if checks else []
 
     report = {"title": f"{args.model}, {args.dataset}", "model": args.model, "dataset": args.data_dir or args.dataset,
               "started": started, "duration_s": round(time.perf_counter() - clock, 1), "machine": machine,
               "load_average_end": list(os.getloadavg()), "command": shlex.join(sys.argv),
               "protocol": protocol, "steps": steps, "repeats": args.repeats, "rows": rows, "sweep": sweep,
+              "inputs": inputs,
               "plain_loop_img_per_s": plain, "matmul_flop_per_s": peaks,
               "fp32_math": "TF32" if tools.uses_tf32(device) else "fp32", "checks": results,
               "other_work_cpu_share": other_work.share()}
@@ -485,7 +595,7 @@ def main(args):
     tools.write_chart(output_dir / "benchmark.png", report)
     print("\n" + (output_dir / "benchmark.md").read_text())
     print(f"benchmark: {report['duration_s']:.0f} s; wrote benchmark.json, benchmark.md, benchmark.png to {output_dir}")
-    failed = [r["name"] for r in rows + sweep if r.get("error")]
+    failed = [r["name"] for r in rows + sweep + inputs.get("rows", []) if r.get("error")]
     if failed:
         print(f"error: rows {', '.join(failed)} failed to run (see above)", file=sys.stderr)
     return 1 if failed else 0

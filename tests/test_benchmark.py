@@ -23,8 +23,8 @@ from helpers import ROOT, make
 from PIL import Image
 
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
-        "--checks", "overhead", "data", "precision", "compute", "--loader-images", "256", "--matmul-size", "256",
-        "--sweep-batch-size", "16"]
+        "--checks", "overhead", "data", "loader", "precision", "compute", "--loader-images", "256", "--loader-files",
+        "64", "--matmul-size", "256", "--sweep-batch-size", "16"]
 
 
 def load_script(name):
@@ -77,6 +77,12 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
             ends = run["step_end"]
             assert len(ends) == 12 and run["step_seconds"] == [b - a for a, b in zip(ends[1:], ends[2:])]
             assert sum(run["step_seconds"]) < run["epoch_time_s"] < run["wall_s"]
+            # Each step's data wait, from the script's own DataWait: together what the script logged; the
+            # figure after the warm-up is the measured steps' waits over their time.
+            assert len(run["data_wait"]) == 12
+            assert sum(run["data_wait"]) == pytest.approx(run["data_wait_frac"] * run["epoch_time_s"])
+            assert run["data_wait_steady_frac"] == pytest.approx(sum(run["data_wait"][2:]) / sum(run["step_seconds"]))
+            assert run["loader"] == "device" and run["loader_workers"] == 0
         seconds = [s for run in row["runs"] for s in run["step_seconds"]]
         assert row["step_seconds"]["median"] == statistics.median(seconds)
         assert row["img_per_s"] == pytest.approx(row["global_batch"] / statistics.median(seconds))
@@ -90,7 +96,7 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
 def test_checks_state_each_ratio_against_its_target(report):
     _, result, stdout = report
     checks = {c["check"].split(":")[0]: c for c in result["checks"]}
-    assert set(checks) == {"overhead", "data", "data wait", "precision", "compute"}
+    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute"}
     assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
     assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
     assert checks["compute"]["target"] == ">= 85 %"
@@ -109,10 +115,29 @@ def test_checks_state_each_ratio_against_its_target(report):
     launches = [16 / statistics.median(run["step_seconds"]) for run in single["runs"]]
     assert overhead["value"] == pytest.approx(statistics.median(
         [launches[0] / ((plain[0] + plain[1]) / 2), launches[1] / ((plain[1] + plain[2]) / 2)]))
-    for name, target in {"overhead": 0.97, "data": 5, "precision": 1.8, "compute": 0.85}.items():
+    for name, target in {"overhead": 0.97, "data": 5, "loader": 1.5, "precision": 1.8, "compute": 0.85}.items():
         assert checks[name]["passed"] == (checks[name]["value"] >= target) and checks[name]["value"] > 0
     assert checks["data wait"]["passed"] == (checks["data wait"]["value"] < 0.02)
     assert "| overhead: train_single / plain PyTorch loop |" in stdout  # the checks table is printed too
+
+
+def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(report):
+    out, result, _ = report
+    inputs = result["inputs"]
+    # The scripts' worker count on both sides, the rows' batch, the JPEGs --loader-files asked for.
+    assert inputs["workers"] == max(1, min(16, len(os.sched_getaffinity(0)) - 1)) and inputs["batch"] == 16
+    assert inputs["folder"]["train_files"] == 64 and 20 < inputs["folder"]["mean_kb"] < 200
+    ours, theirs = inputs["rates"]["ours"], inputs["rates"]["torchvision"]
+    assert len(ours) == len(theirs) == 5 and min(ours + theirs) > 0  # 5 rounds, one epoch each
+    ratio = statistics.median(o / t for o, t in zip(ours, theirs))  # round by round
+    loader = next(c for c in result["checks"] if c["check"].startswith("loader:"))
+    assert inputs["ratio"] == loader["value"] == pytest.approx(ratio)
+    assert loader["passed"] == (ratio >= 1.5) and loader["target"] == ">= 1.5x"
+    assert loader["measured"].startswith(f"{ratio:.2f}x ({statistics.median(ours):,.0f} vs "
+                                         f"{statistics.median(theirs):,.0f} img/s, 224 px crops, batch 16)")
+    markdown = (out / "benchmark.md").read_text()
+    assert "## Input paths" in markdown and f"Ratio, workers path / torchvision: {ratio:.2f}x" in markdown
+    assert "| workers path: worker_loader (decode_image, transforms.v2) + normalise on the device | " in markdown
 
 
 def test_report_files_are_well_formed(report):
@@ -183,8 +208,10 @@ def test_a_missing_or_failing_nvidia_smi_leaves_memory_to_the_scripts(monkeypatc
         output_dir.mkdir()
         (output_dir / "metrics.jsonl").write_text(json.dumps(
             {"step": 5, "epoch_time_s": 1.0, "data_wait_frac": 0.01, "gpu_mem_peak_gb": [1.5 + len(launches)]}))
+        (output_dir / "config.json").write_text(json.dumps({"loader": "device", "loader_workers": 0}))
         steps = command[command.index("bench.steptimer") + 1]
-        Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1 * i for i in range(5)], "peak_rss_gb": 2}))
+        Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1 * i for i in range(5)], "peak_rss_gb": 2,
+                                                  "data_wait": [0.002] * 5}))
         launches.append(command)
         return run_watched([sys.executable, "-c", "pass"], cwd, gpus, timeout)  # the real watcher
 
@@ -197,6 +224,47 @@ def test_a_missing_or_failing_nvidia_smi_leaves_memory_to_the_scripts(monkeypatc
     # Neither nvidia-smi nor the scripts: the memory is unknown, not a crash.
     assert benchmark.peak_memory([{"peak_memory_gb": [], "torch_peak_memory_gb": []}], 1) == ([], "unknown")
     assert tools.row_cells({**row, "peak_memory_gb": [], "memory_kind": "unknown"})[4] == "-"
+
+
+def test_workers_rows_train_on_image_folders_and_leave_the_warm_up_wait_out(monkeypatch, tmp_path):
+    # The workers check's launches, faked: their command lines, and their data wait as the step timer
+    # records it (the warm-up's worker start-up left out) beside the one the script logs.
+    from bench import tools
+    benchmark = load_script("benchmark")
+    launches = []
+
+    def launched(command, cwd, gpus, timeout, env=None):
+        output_dir = Path(command[command.index("--output-dir") + 1])
+        output_dir.mkdir()
+        (output_dir / "config.json").write_text(json.dumps({"loader": "workers", "loader_workers": 1}))
+        (output_dir / "metrics.jsonl").write_text(json.dumps({"step": 5, "epoch_time_s": 2.0, "data_wait_frac": 0.3}))
+        steps = command[command.index("bench.steptimer") + 1]
+        Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1, 0.2, 0.4, 0.6, 0.8], "peak_rss_gb": 1,
+                                                  "data_wait": [0.5, 0.01, 0.02, 0.02, 0.02]}))
+        launches.append(command)
+        return tools.WatchedRun(0, "", "", [], 1.0)
+
+    monkeypatch.setattr(tools, "run_watched", launched)
+    args = benchmark.parse_args(["--steps", "3", "--repeats", "1", "--per-device-batch-size", "4",
+                                 "--loader-files", "8", "--checks", "workers"])
+    inputs = benchmark.input_paths(["workers"], args, 3, 0, torch.device("cpu"), tmp_path)
+    small, large = inputs["rows"]
+    assert "rates" not in inputs and len(launches) == 2 and not small.get("error") and not large.get("error")
+    # The small row: the `single` row's model, batch and synthetic images, as 32 px PNG files.
+    assert "scripts/train_single.py --model resnet18 --batch-size 4 " in small["command"]
+    assert f"--loader workers --data-dir {tmp_path / 'png'} --image-size 32" in small["command"]
+    assert len(list((tmp_path / "png" / "train").rglob("*.png"))) == (2 + 3 + 1) * 4
+    # ResNet-50 on the JPEGs at 224 px, at the CPU's small batch; the folder holds one epoch of it.
+    assert f"--model torchvision:resnet50 --batch-size {benchmark.LARGE_CPU_BATCH} " in large["command"]
+    assert f"--loader workers --data-dir {tmp_path / 'jpeg'} --image-size 224" in large["command"]
+    assert inputs["folder"]["train_files"] == (2 + 3 + 1) * benchmark.LARGE_CPU_BATCH
+    for row in small, large:
+        assert row["data_wait_frac"] == 0.3 and row["data_wait_steady_frac"] == pytest.approx(0.06 / 0.6)
+        assert (row["loader"], row["loader_workers"]) == ("workers", 1)
+    checks = benchmark.input_checks(inputs)
+    assert [c["check"] for c in checks] == [f"data wait: {small['label']}", f"data wait: {large['label']}"]
+    assert checks[1]["measured"] == "10.00 % after the warm-up, 30.00 % with it (batch 8, 1 worker, 40.0 img/s)"
+    assert all(c["passed"] is None for c in checks)  # reported, no target
 
 
 def test_cuda_visible_devices_pick_the_physical_gpus_nvidia_smi_watches(monkeypatch):
@@ -322,3 +390,10 @@ def test_docs_show_the_committed_benchmark_run():
         assert row["img_per_s"] == pytest.approx(row["global_batch"] / statistics.median(seconds))
     with Image.open(folder / "benchmark.png") as image:
         assert image.format == "PNG" and image.width > 800
+    # The input paths' run, kept beside it: its section's tables are on the page, its ratio the rounds' median.
+    section = (folder / "inputs" / "benchmark.md").read_text().split("## Input paths")[1].split("## Checks")[0]
+    tables = [line for line in section.splitlines() if line.startswith("|")]
+    assert len(tables) == 9 and [line for line in tables if line not in page] == []
+    inputs = json.loads((folder / "inputs" / "benchmark.json").read_text())["inputs"]
+    ours, theirs = inputs["rates"]["ours"], inputs["rates"]["torchvision"]
+    assert inputs["ratio"] == pytest.approx(statistics.median(o / t for o, t in zip(ours, theirs)))

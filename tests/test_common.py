@@ -52,7 +52,7 @@ def test_crop_and_flip_match_a_per_image_reference():
 
 def test_normalisation_uses_the_data_statistics():
     batch = images(64)
-    mean, std = channel_stats(batch, chunk=10)
+    mean, std = channel_stats(batch, chunk_bytes=10 * 8 * batch[0].numel())  # chunks of 10 images
     assert torch.allclose(torch.tensor(mean), batch.float().mean(dim=(0, 2, 3)), atol=1e-3)
     assert torch.allclose(torch.tensor(std), batch.float().std(dim=(0, 2, 3), unbiased=False), atol=1e-3)
     normalised = BatchTransform(mean, std).eval(batch)

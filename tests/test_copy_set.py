@@ -1,8 +1,9 @@
 """common/ is the copy set: what a person takes along with one training script, and nothing else.
 
-At most 12 modules (the input path takes four: sources, per-sample decoding in workers, batches on
-the device, and the choice between the two), every one of them used by the training scripts, none reaching into bench/ (the
-benchmark's and the machine check's tools), and each script runs with common/ alone beside it.
+At most 12 modules (the input path takes four: sources, per-sample decoding in workers, batches
+on the device, and the choice between the two), every one of them used by the training scripts,
+none reaching into bench/ (the benchmark's and the machine check's tools), and each script runs
+with common/ alone beside it.
 """
 
 import ast

@@ -270,13 +270,15 @@ def test_val_fraction_is_seeded_stratified_disjoint_and_covers_train(sources):
     folder = str(sources["image_folder"])
     full = open_source(data_dir=folder).train
     a, again, other = (open_source(data_dir=folder, val_fraction=0.3, seed=seed) for seed in (1, 1, 2))
-    assert a.test.paths == again.test.paths and a.train.paths == again.train.paths
-    assert a.test.paths != other.test.paths
-    assert set(a.train.paths).isdisjoint(a.test.paths)
-    assert sorted(a.train.paths + a.test.paths) == sorted(full.paths)
+    def names(split):
+        return [split.name(i) for i in range(len(split))]
+    assert names(a.test) == names(again.test) and names(a.train) == names(again.train)
+    assert names(a.test) != names(other.test)
+    assert set(names(a.train)).isdisjoint(names(a.test))
+    assert sorted(names(a.train) + names(a.test)) == sorted(names(full))
     for label in range(len(CLASSES)):  # 10 images a class: 3 held out of each
         assert (a.test.labels == label).sum() == 3 and (a.train.labels == label).sum() == 7
-    for path, label in zip(a.test.paths, a.test.labels.tolist()):
+    for path, label in zip(names(a.test), a.test.labels.tolist()):
         assert Path(path).parent.name == CLASSES[label]
     assert "evaluated on 0.3 of train (--val-fraction, seed 1)" in a.source
 
