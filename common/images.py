@@ -33,7 +33,7 @@ PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
 
 class BadImage(Exception):
     """An image no decoder can read. An Exception, not a UserError (SystemExit): a DataLoader worker
-    passes Exceptions on to the main process, where ``report_bad_image`` turns it into one line."""
+    passes Exceptions on to the main process, where ``report_bad_images``' hook makes it one line."""
 
 
 def decode(encoded, name: str) -> torch.Tensor:
