@@ -2,15 +2,26 @@
 
 import argparse
 import math
+import os
+from pathlib import Path
+
+import torchvision
 
 from common.data import check_dataset_name
 from common.errors import UserError
-from common.models import model_names
+from common.models import TORCHVISION_PREFIX, build_model, model_names
 
 # torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
 # nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
 # graph breaks.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+# The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
+MAX_SEED = 2**32 - 1
+# The longest --dist-timeout in seconds: gloo keeps a timeout in int64 nanoseconds (~292 years) and
+# refuses a longer one as negative; 1e9 s (~31 years) stays well inside. The shortest is 1 s, as
+# processes start seconds apart and wait for each other at the first collective.
+MAX_DIST_TIMEOUT = 10**9
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
@@ -56,6 +67,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=128,
                        help="GLOBAL batch: images per optimizer step summed over all devices and processes; "
                             "each device gets batch-size / devices (default: %(default)s)")
+    train.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                       help="gradient accumulation: each optimizer step sums the gradients of N micro-batches of "
+                            "--batch-size / N images (each process a slice of them), with one gradient all-reduce "
+                            "per step, for a batch that does not fit in memory at once (default: %(default)s)")
     train.add_argument("--lr", type=float, default=0.1,
                        help="peak learning rate of the schedule for a global batch of --reference-batch-size; "
                             "other batch sizes scale it (--scale-lr) (default: %(default)s)")
@@ -174,16 +189,21 @@ def check_data_args(args: argparse.Namespace) -> None:
         raise UserError(f"--loader-budget {args.loader_budget}: must be a number of GB, 0 or more")
     if args.workers is not None and args.loader == "device":
         raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: drop one of them")
+    if args.loader_budget is not None and args.loader == "workers":
+        raise UserError(f"--loader-budget {args.loader_budget} is for --loader device or auto, not --loader workers: "
+                        f"drop one of them")
     for flag in ("synthetic_train_size", "synthetic_test_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
+    check_folder("--cache-dir", args.cache_dir)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     check_data_args(args)
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--keep-checkpoints": args.keep_checkpoints,
-                "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size}
+                "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
+                "--grad-accum": args.grad_accum}
     if args.checkpoint_every is not None:
         positive["--checkpoint-every"] = args.checkpoint_every
     if args.max_steps is not None:
@@ -191,9 +211,66 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
+    if args.batch_size % args.grad_accum:  # the processes' share is checked once they are known
+        below = args.batch_size - args.batch_size % args.grad_accum
+        raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum {args.grad_accum} "
+                        f"micro-batches: use {f'{below} or ' if below else ''}{below + args.grad_accum}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UserError(f"--seed {args.seed}: must be from 0 to {MAX_SEED} (numpy's seeds are 32-bit)")
+    # Written so that NaN fails each test (every comparison with NaN is False).
     if not 0 < args.lr < math.inf:
         raise UserError(f"--lr {args.lr}: must be a positive number")
     if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
         raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number")
-    if args.warmup_epochs < 0:
-        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be 0 or more")
+    if not 0 < args.momentum < 1:  # torch's SGD refuses Nesterov without momentum; 1 or more diverges
+        raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9")
+    if not 0 <= args.weight_decay < math.inf:
+        raise UserError(f"--weight-decay {args.weight_decay}: must be a number, 0 (none) or more")
+    if not 0 <= args.label_smoothing < 1:  # 1 would train towards uniform targets
+        raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more and below 1")
+    if not 0 <= args.warmup_epochs <= args.epochs:
+        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be a number of epochs from 0 to --epochs "
+                        f"{args.epochs}")
+    if args.schedule == "step":
+        check_milestones(args.milestones, args.epochs)
+    timeout = getattr(args, "dist_timeout", None)  # DDP's and AMP's flag
+    if timeout is not None and not 1 <= timeout <= MAX_DIST_TIMEOUT:
+        raise UserError(f"--dist-timeout {timeout}: must be a number of seconds from 1 to {MAX_DIST_TIMEOUT}, "
+                        f"e.g. 600")
+    check_model_name(args.model)
+    check_folder("--output-dir", args.output_dir)
+
+
+def check_milestones(milestones: list[int], epochs: int) -> None:
+    """--schedule step divides the lr after each milestone epoch: one outside the run never acts,
+    and one at 0 divides --lr before the first step."""
+    given = " ".join(map(str, milestones))
+    if epochs == 1:
+        raise UserError(f"--milestones {given}: --schedule step with --epochs 1 has no epoch to divide the lr "
+                        f"after; use --schedule onecycle, or 2 or more --epochs")
+    if any(not 1 <= m < epochs for m in milestones) or milestones != sorted(set(milestones)):
+        raise UserError(f"--milestones {given}: must be increasing epochs from 1 to {epochs - 1} for --schedule "
+                        f"step with --epochs {epochs}")
+
+
+def check_model_name(name: str) -> None:
+    """An unknown --model stops now, not after the data is loaded."""
+    known = name in model_names() or (name.startswith(TORCHVISION_PREFIX) and name.removeprefix(TORCHVISION_PREFIX)
+                                      in torchvision.models.list_models(module=torchvision.models))
+    if not known:
+        build_model(name, num_classes=2)  # builds nothing: raises the UserError that lists the valid names
+
+
+def check_folder(flag: str, path: str | None) -> None:
+    """A folder flag naming a file, a path under a file, or a folder that cannot be written in fails at
+    the first file written there, with a traceback: say so now, in one line."""
+    if path is None:
+        return
+    given = Path(path)
+    existing = next(p for p in (given, *given.parents) if p.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: must be a folder, but {'it' if existing == given else existing} is a "
+                        f"file; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not writable; "
+                        f"choose another {flag}")

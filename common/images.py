@@ -14,6 +14,7 @@ it does not depend on the number of workers, of processes or on where a resumed 
 
 import io
 import os
+import signal
 import sys
 
 import numpy as np
@@ -24,6 +25,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from common.errors import first_line
+from common.parallel import STOP_SIGNALS
 
 # Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
 # ones with ImageNet's (random-resized crop, flip).
@@ -175,7 +177,9 @@ def default_workers(processes_per_node: int = 1) -> int:
 
 class _WorkerInit:
     """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
-    transform added that draws from them; ours draw per sample and do not need it."""
+    transform added that draws from them (ours draw per sample and do not need it), and has the worker
+    ignore the stop signals: SLURM signals every process of a job, and a worker that died of one would
+    fail the step the training process finishes before it saves (common.parallel.StepGuard)."""
 
     def __init__(self, seed: int, process: int):
         self.seed, self.process = seed, process
@@ -188,6 +192,8 @@ class _WorkerInit:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
+        for stop_signal in STOP_SIGNALS:  # the training process stops the workers
+            signal.signal(stop_signal, signal.SIG_IGN)
 
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, augment: bool = True,

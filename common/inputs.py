@@ -76,17 +76,19 @@ class Inputs:
 
 def load_inputs(args, accelerator) -> Inputs:
     """The loaders of the data flags (common.cli.add_data_args) for ``accelerator``'s device and
-    processes; one line and exit status 1 when the data or the flags cannot work."""
+    processes; one line and exit status 1 when the data or the flags cannot work. Each batch is a
+    micro-batch: --batch-size / --grad-accum images over all processes."""
+    micro_batch = args.batch_size // args.grad_accum
     data = _cached(args, args.image_size)
     if data is not None:
         _check_batch_size(args.batch_size, len(data.train_labels))
-        inputs = _from_cache(args, accelerator, data, args.batch_size, args.seed, args.val_fraction, args.augment)
+        inputs = _from_cache(args, accelerator, data, micro_batch, args.seed, args.val_fraction, args.augment)
         if inputs is not None:
             return inputs
     source = open_source(args.dataset, args.data_dir, args.cache_dir, args.synthetic_train_size,
                          args.synthetic_test_size, seed=args.seed, val_fraction=args.val_fraction)
     _check_batch_size(args.batch_size, len(source.train))
-    return _build(args, accelerator, source, args.image_size, args.batch_size, args.seed, args.val_fraction,
+    return _build(args, accelerator, source, args.image_size, micro_batch, args.seed, args.val_fraction,
                   augment=args.augment)
 
 

@@ -7,13 +7,16 @@ sums the gradients through NCCL (torch.cuda.comm), and keeps the model, the gath
 loss on the first one.
 """
 
+import ctypes
+import math
 import multiprocessing
 import os
+import signal
 import sys
 
 import torch
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint import latest_checkpoint, latest_good_checkpoint
 from common.errors import UserError, first_line
 
 GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
@@ -116,62 +119,118 @@ def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
     return "tf32" if tf32 and has_tf32 else "ieee"
 
 
-def check_batch_split(batch_size: int, parts: int, what: str) -> None:
-    """The global batch is cut into ``parts`` equal slices, one per ``what`` (processes or GPUs);
-    equal slices make the mean of the slices' losses the loss of the whole batch and give every
-    BatchNorm as many images."""
+def check_batch_split(batch_size: int, parts: int, what: str, grad_accum: int = 1) -> None:
+    """The global batch is cut into ``parts`` equal slices, one per ``what`` (processes or GPUs), and
+    each slice into ``grad_accum`` micro-batches; equal slices make the mean of the slices' losses the
+    loss of the whole batch and give every BatchNorm as many images."""
+    if grad_accum > 1:
+        parts, what = parts * grad_accum, f"({parts} {what} x {grad_accum} micro-batches of --grad-accum)"
     if batch_size % parts:
         below = batch_size - batch_size % parts
         nearest = f"{below} or {below + parts}" if below else f"{parts} or more"
         raise UserError(f"--batch-size {batch_size} does not divide by {parts} {what}: use {nearest}")
 
 
-class NonFiniteGuard:
-    """Stops the run, in every process at the same step, when any process's loss is NaN or infinite,
-    without making the host wait for the device every step.
+# The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
+# torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
+# for SIGUSR1 ahead of their time limit.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: stopped to be continued, not failed
+_PR_SET_PDEATHSIG = 1
 
-    ``check`` sums the loss over processes (non-finite if any part is, so every process gets the same
-    answer and none is left waiting in the next all-reduce) and starts copying that one number to the
-    host; it reads the number one step later, when the device has long computed it, so the host keeps
-    queueing work ahead of the device. The bad step has then changed the weights in memory, but
-    nothing of it is kept: ``flush`` reads the pending number before every checkpoint and at the end
-    of each epoch, so no checkpoint, model.safetensors or metrics line ever holds it.
+
+class StepGuard:
+    """What every process must decide together after each optimizer step, without making the host wait
+    for the device every step: a NaN or infinite loss stops the run, a stop signal saves it and stops.
+
+    ``check`` sums, over processes, the step's loss (non-finite if any part is) and the number of
+    processes that got a stop signal (SIGTERM or SIGUSR1, which set a flag and nothing else), so every
+    process gets the same answer at the same step and none is left waiting in the next all-reduce. On
+    a GPU it reads the two numbers one step later, when the device has long computed them, so the host
+    keeps queueing work ahead of the device; on a CPU they are there at once. A bad step has then
+    changed the weights in memory, but nothing of it is kept: ``flush`` reads the pending numbers
+    before every checkpoint and at the end of each epoch, so no checkpoint, model.safetensors or
+    metrics line ever holds it. After a stop signal the caller saves a checkpoint and calls ``stop``:
+    one line, and the exit code STOPPED_EXIT_CODE from every process. The process also asks the kernel
+    for a SIGTERM when its launcher dies: `accelerate launch` of one process passes no signal on.
     """
 
-    def __init__(self, accelerator, output_dir):
+    def __init__(self, accelerator, output_dir, listen: bool = True):
         self.accelerator, self.output_dir = accelerator, output_dir
-        self.pending = None  # (step, loss sum on its way to the host, event that marks its arrival)
+        self.pending = None  # (step, sums on their way to the host, event that marks their arrival)
+        self.received = None  # the first stop signal this process got, by name
+        self.stopping = False  # the processes agreed to stop
+        if listen:  # in the main thread of a training process (tests of the rest pass listen=False)
+            for stop_signal in STOP_SIGNALS:
+                signal.signal(stop_signal, self._on_signal)
+            _signal_when_parent_dies(signal.SIGTERM)
 
-    def check(self, loss: torch.Tensor, step: int) -> None:
-        total = self.accelerator.reduce(loss.detach().float(), "sum")
-        arrived = None
+    def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
+        self.received = self.received or signal.Signals(signum).name
+
+    def check(self, loss: torch.Tensor, step: int) -> bool:
+        """After optimizer step ``step`` with its ``loss``: True when the processes agree to stop now
+        (a stop signal reached one of them); exits, in every process, on a non-finite loss."""
+        loss = loss.detach().float()
+        signalled = torch.full_like(loss, float(self.received is not None))  # a fill on the device, no copy
+        total = self.accelerator.reduce(torch.stack([loss, signalled]), "sum")
         if total.is_cuda:  # a copy into pinned host memory, queued behind the step's work
-            stream = torch.cuda.current_stream(total.device)
-            total, arrived = total.to("cpu", non_blocking=True), torch.cuda.Event()
+            stream, arrived = torch.cuda.current_stream(total.device), torch.cuda.Event()
+            total = total.to("cpu", non_blocking=True)
             arrived.record(stream)
-        previous, self.pending = self.pending, (step, total, arrived)
-        if previous:
-            self._read(*previous)
+            previous, self.pending = self.pending, (step, total, arrived)
+        else:  # the CPU has computed it already
+            previous = (step, total, None)
+        if previous and self._read(*previous):
+            self.flush()  # on a GPU, the step after the signal too, before anything is saved
+            self.stopping = True
+        return self.stopping
+
+    def agree(self) -> bool:
+        """True when a stop signal reached any process, asked of all of them at once (it waits for the
+        device): at the end of an epoch, for a signal that came during evaluation or the checkpoint."""
+        self.flush()
+        signalled = torch.tensor(float(self.received is not None), device=self.accelerator.device)
+        self.stopping = self.stopping or bool(self.accelerator.reduce(signalled, "sum") > 0)
+        return self.stopping
 
     def flush(self) -> None:
         """Wait for the newest step's loss and stop if it is not finite: before anything is saved."""
         if self.pending:
             pending, self.pending = self.pending, None
-            self._read(*pending)
+            self.stopping = self._read(*pending) or self.stopping
 
-    def _read(self, step: int, total: torch.Tensor, arrived) -> None:
+    def stop(self, checkpoint, step: int) -> None:
+        """After the checkpoint of the agreed stop ``step``: say so once, close the tracker, exit."""
+        self.accelerator.print(f"stopped by {self.received or 'a stop signal to another process'} after step {step}: "
+                               f"the training state is in {checkpoint}; the same command with --resume "
+                               f"continues from there (exit code {STOPPED_EXIT_CODE})", flush=True)
+        self.accelerator.end_training()
+        raise SystemExit(STOPPED_EXIT_CODE)
+
+    def _read(self, step: int, total: torch.Tensor, arrived) -> bool:
         if arrived is not None:
             arrived.synchronize()
-        if torch.isfinite(total):
-            return
-        checkpoint = latest_checkpoint(self.output_dir)
+        loss, signalled = total.tolist()
+        if math.isfinite(loss):
+            return signalled > 0
+        checkpoint = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
         then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
                 else "there is no checkpoint yet: start again with a lower --lr")
         # Every process says it before any exits, so the launcher cannot stop one before it speaks.
-        print(f"error: the loss is {total.item()} at step {step}: training stopped and nothing of that step was "
+        print(f"error: the loss is {loss} at step {step}: training stopped and nothing of that step was "
               f"saved; {then}", file=sys.stderr, flush=True)
         self.accelerator.wait_for_everyone()
         raise SystemExit(1)
+
+
+def _signal_when_parent_dies(signum: int) -> None:
+    """Linux's PR_SET_PDEATHSIG: ``signum`` to this process when the process that started it exits,
+    as a launcher that is killed without passing its signal on does. Elsewhere nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
 
 
 class SkippedSteps:

@@ -48,6 +48,7 @@ benchmark.png (the chart) to --output-dir; the exit status is 1 if a row failed 
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import statistics
@@ -60,7 +61,7 @@ import torch
 
 from bench import loaders, steptimer, tools
 from common.checkpoint import new_run_dir, write_json
-from common.cli import Parser
+from common.cli import Parser, check_folder
 from common.data import make_synthetic
 from common.errors import UserError
 from common.images import default_workers
@@ -174,8 +175,19 @@ def parse_args(argv=None):
     if args.loader_files is not None and args.loader_files < args.per_device_batch_size:
         raise UserError(f"--loader-files {args.loader_files}: less than one batch of --per-device-batch-size "
                         f"{args.per_device_batch_size}; raise it")
+    if {"all", "data"} & set(args.checks) and args.loader_images < args.per_device_batch_size:
+        raise UserError(f"--loader-images {args.loader_images}: less than one batch of --per-device-batch-size "
+                        f"{args.per_device_batch_size}; raise it")
+    if any(batch < 1 for batch in args.sweep_batch_size or []):
+        raise UserError(f"--sweep-batch-size {' '.join(map(str, args.sweep_batch_size))}: each must be 1 or more")
+    if args.sweep_batch_size and args.global_batch_size:  # measure() would run the held global batch each time
+        raise UserError(f"--sweep-batch-size varies the per-device batch but --global-batch-size "
+                        f"{args.global_batch_size} holds the global batch: drop one of them")
+    if not 0 < args.timeout < math.inf:
+        raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds")
     if args.data_dir and args.dataset == "synthetic":
         raise UserError(f"--data-dir {args.data_dir} with --dataset synthetic: add --dataset cifar10 (or cifar100)")
+    check_folder("--output-dir", args.output_dir)
     return args
 
 

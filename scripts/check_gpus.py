@@ -33,6 +33,7 @@ Exit status 0 when every check passed, 1 when one failed; what to try is printed
 """
 
 import argparse
+import math
 import os
 import shutil
 import socket
@@ -48,6 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.tools import synchronize
+from common.errors import UserError
 from common.parallel import PeerCheckFailed, data_parallel_transfers, run_transfer_check
 
 P2P_ADVICE = ("do not use DataParallel (scripts/train_dp.py) here: its scatter and gather copy directly between "
@@ -90,7 +92,15 @@ def parse_args(argv=None):
                              "the all-reduce) counts as a hang (default: %(default)s)")
     parser.add_argument("--cpu-processes", type=int, default=2,
                         help="processes of the gloo all-reduce on a machine without GPUs (default: %(default)s)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("size_mb", "timeout"):  # written so that NaN fails too
+        if not 0 < getattr(args, flag) < math.inf:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be a positive number")
+    if args.iters < 1:
+        raise UserError(f"--iters {args.iters}: must be 1 or more")
+    if args.cpu_processes < 2:  # one process sums with no one: nothing would go between processes
+        raise UserError(f"--cpu-processes {args.cpu_processes}: must be 2 or more")
+    return args
 
 
 # ----------------------------------------------------------------------------------------- checks

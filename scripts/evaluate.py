@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from common.checkpoint import load_weights, read_metadata
-from common.cli import Parser, add_data_args, check_data_args
+from common.cli import Parser, add_data_args, check_data_args, check_model_name
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_test_inputs
@@ -39,6 +39,8 @@ def parse_args(argv=None):
     check_data_args(args)
     if args.eval_batch_size < 1:
         raise UserError(f"--eval-batch-size {args.eval_batch_size}: must be 1 or more")
+    if args.model is not None:
+        check_model_name(args.model)
     return args
 
 

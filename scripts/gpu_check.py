@@ -44,7 +44,7 @@ import torch
 from bench import tools
 from common.batches import BatchTransform, channel_stats
 from common.checkpoint import new_run_dir, write_json
-from common.cli import Parser
+from common.cli import Parser, check_folder
 from common.data import make_synthetic
 from common.errors import UserError, first_line
 from common.parallel import GB
@@ -77,6 +77,7 @@ def parse_args(argv=None):
     for flag in ("steps", "resnet50_batch_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
+    check_folder("--output-dir", args.output_dir)
     return args
 
 

@@ -54,8 +54,8 @@ from common.inputs import load_inputs
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
-    NonFiniteGuard,
     SkippedSteps,
+    StepGuard,
     check_batch_split,
     check_gpus_per_node,
     check_world_size,
@@ -93,6 +93,7 @@ def main(args):
         cpu=not torch.cuda.is_available(),  # DDP: without it, no GPU means N lone trainings, not gloo
         mixed_precision=precision,  # AMP: prepare() autocasts the forward; fp16 adds a GradScaler
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts the micro-batches
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True,
                                                   split_batches=True),  # DDP: each process takes a slice
@@ -101,8 +102,8 @@ def main(args):
     # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
     check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
-    check_batch_split(args.batch_size, accelerator.num_processes, "processes")  # DDP: equal slices
-    per_device_batch = args.batch_size // accelerator.num_processes  # DDP: the slice of each process
+    check_batch_split(args.batch_size, accelerator.num_processes, "processes", args.grad_accum)  # DDP: equal slices
+    per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: each process's slice
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
     set_seed(args.seed)
@@ -124,7 +125,7 @@ def main(args):
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
     peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
     optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
-    steps_per_epoch = len(train_loader)
+    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps; the loader yields micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
@@ -136,7 +137,8 @@ def main(args):
     accelerator.register_for_checkpointing(progress)
     config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
-        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "per_device_batch_size": per_device_batch, "grad_accum": args.grad_accum,
+        "global_batch_size": args.batch_size, "lr": peak_lr,
         "mixed_precision": precision,  # AMP: the 16-bit format of this run
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         **data.config})
@@ -151,14 +153,15 @@ def main(args):
                    name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
     accelerator.print(f"{SCRIPT}: {precision} {args.model} on {accelerator.num_processes} x {device}, "  # AMP: format
-                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
+                      f"batch {args.batch_size} ({per_device_batch} per device"
+                      f"{f' x {args.grad_accum} micro-batches' * (args.grad_accum > 1)}), lr {peak_lr:g}, "
                       f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
                       f"{data.train_size} training images ({data.source}), {data.line}, {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
-    data_wait, guard = DataWait(device), NonFiniteGuard(accelerator, output_dir)
+    data_wait, guard = DataWait(device), StepGuard(accelerator, output_dir)  # NaN loss, SIGTERM, SIGUSR1
     skipped = SkippedSteps(accelerator, output_dir)  # AMP: fp16 stops after 100 skipped steps in a row
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step:
@@ -166,37 +169,49 @@ def main(args):
         model.train()
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
-        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch) \
+        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch * args.grad_accum) \
             if progress.batch_in_epoch else train_loader  # a new loader: the workers would start again
-        loss_sum, trained = torch.zeros((), device=device), 0
+        loss_sum, step_loss, trained = torch.zeros((), device=device), 0, 0
         skipped.in_epoch = 0  # AMP: fp16 steps skipped because the gradients overflowed
         start = time.perf_counter()
         data_wait.start()
-        for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-                                   disable=not accelerator.is_main_process):
-            # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
+        for micro_batch, (images, labels) in enumerate(tqdm(
+                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=not accelerator.is_main_process),
+                start=progress.step * args.grad_accum):  # counted over the run
+            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first run drew.
             # DDP: and from the process index, so the processes do not flip and crop alike.
-            images = transform.train(images, seed=(args.seed, progress.step, accelerator.process_index))
+            images = transform.train(images, seed=(args.seed, micro_batch, accelerator.process_index))
             data_wait.stop()
-            loss = criterion(model(images), labels)
-            guard.check(loss, progress.step + 1)  # NaN or inf: all processes stop, nothing of it saved
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
-                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()
-            skipped.count(progress.step + 1)  # AMP: fp16 skips a step that overflowed
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided by N);
+            # the optimizer, the schedule and zero_grad act on the N-th only (accelerator.sync_gradients).
+            with accelerator.accumulate(model):
+                loss = criterion(model(images), labels)
+                accelerator.backward(loss)
+                if args.clip_grad and accelerator.sync_gradients:  # the norm of the summed gradients
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach() / args.grad_accum
+            if not accelerator.sync_gradients:  # a micro-batch of a step still being accumulated
+                data_wait.start()
+                continue
             progress.step += 1
             progress.batch_in_epoch += 1
-            loss_sum += loss.detach()
+            loss_sum += step_loss
             trained += 1
-            step_logger.log(progress.step, loss, lr)
-            if progress.step >= stop_step:
-                break
-            if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
-                    and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+            skipped.count(progress.step)  # AMP: fp16 skips a step that overflowed
+            # NaN or inf: all processes stop, nothing of it saved; True: a stop signal, all stop here
+            stop = guard.check(step_loss, progress.step)
+            step_logger.log(progress.step, step_loss, lr)
+            step_loss = 0
+            if progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch:
+                break  # the epoch's last whole optimizer step: micro-batches left over wait for the next
+            if stop:  # saved at this step, then every process exits; at an epoch's end it saves below
+                guard.stop(save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints),
+                           progress.step)
+            if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
                 guard.flush()  # this step's loss is known to be finite before the step is saved
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             data_wait.start()
@@ -223,7 +238,9 @@ def main(args):
             write_metrics(output_dir, progress.history)
         accelerator.print(log_line(metrics))
         track(accelerator, metrics, step=progress.step)
-        save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+        saved = save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+        if guard.agree() and progress.step < stop_step:  # a stop signal in the last step or evaluation
+            guard.stop(saved, progress.step)
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:

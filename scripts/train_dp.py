@@ -68,7 +68,7 @@ from common.inputs import load_inputs
 from common.models import build_model
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
-    NonFiniteGuard,
+    StepGuard,
     check_batch_split,
     check_peer_copies,
     data_parallel_devices,
@@ -113,6 +113,7 @@ def main(args):
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts the micro-batches
         # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
     )
@@ -120,9 +121,9 @@ def main(args):
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
     devices = data_parallel_devices(accelerator.device)  # DP: every visible GPU (CUDA_VISIBLE_DEVICES)
     if len(devices) > 1:  # DP: equal slices, and copies between GPUs that arrive intact
-        check_batch_split(args.batch_size, len(devices), "visible GPUs")
+        check_batch_split(args.batch_size, len(devices), "visible GPUs", args.grad_accum)
         check_peer_copies(devices)
-    per_device_batch = args.batch_size // max(len(devices), 1)  # DP: the slice of each GPU
+    per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: the slice of each GPU
     set_seed(args.seed)
     output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
 
@@ -140,7 +141,7 @@ def main(args):
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
     peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
     optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
-    steps_per_epoch = len(train_loader)
+    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps; the loader yields micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
@@ -156,7 +157,8 @@ def main(args):
     config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
         "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
-        "per_device_batch_size": per_device_batch, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "per_device_batch_size": per_device_batch, "grad_accum": args.grad_accum,
+        "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
         **data.config})
     if checkpoint:
@@ -170,49 +172,62 @@ def main(args):
                    name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     stop_step = min(total_steps, args.max_steps or total_steps)
     accelerator.print(f"{SCRIPT}: {args.model} on {', '.join(map(str, devices)) or device}, "  # DP: every GPU
-                      f"batch {args.batch_size} ({per_device_batch} per device), lr {peak_lr:g}, "
+                      f"batch {args.batch_size} ({per_device_batch} per device"
+                      f"{f' x {args.grad_accum} micro-batches' * (args.grad_accum > 1)}), lr {peak_lr:g}, "
                       f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
                       f"{data.train_size} training images ({data.source}), {data.line}, {steps_per_epoch} steps/epoch, "
                       f"{total_steps} steps in all, record in {output_dir}")
 
     # ----------------------------------------------------------------------------------- train
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
-    data_wait, guard = DataWait(device), NonFiniteGuard(accelerator, output_dir)
+    data_wait, guard = DataWait(device), StepGuard(accelerator, output_dir)  # NaN loss, SIGTERM, SIGUSR1
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step:
             break
         model.train()
         train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
         # After a mid-epoch resume, start at the first batch this epoch has not trained on.
-        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch) \
+        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch * args.grad_accum) \
             if progress.batch_in_epoch else train_loader  # a new loader: the workers would start again
-        loss_sum, trained = torch.zeros((), device=device), 0
+        loss_sum, step_loss, trained = torch.zeros((), device=device), 0, 0
         start = time.perf_counter()
         data_wait.start()
-        for images, labels in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-                                   disable=not accelerator.is_main_process):
-            # Augmentation drawn from (seed, step): a resumed run draws what the first run drew.
-            images = transform.train(images, seed=(args.seed, progress.step))
+        for micro_batch, (images, labels) in enumerate(tqdm(
+                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=not accelerator.is_main_process),
+                start=progress.step * args.grad_accum):  # counted over the run
+            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first run drew.
+            images = transform.train(images, seed=(args.seed, micro_batch))
             data_wait.stop()
-            loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: one loss per GPU
-                    else criterion(parallel_model(images), labels))  # DP: from the outputs gathered on GPU 0
-            guard.check(loss, progress.step + 1)  # NaN or inf: all processes stop, nothing of it saved
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            if args.clip_grad:  # the norm of all gradients together, as the optimizer will apply them
-                accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided by N);
+            # the optimizer, the schedule and zero_grad act on the N-th only (accelerator.sync_gradients).
+            with accelerator.accumulate(model):
+                loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: one loss per GPU
+                        else criterion(parallel_model(images), labels))  # DP: from the outputs gathered on GPU 0
+                accelerator.backward(loss)
+                if args.clip_grad and accelerator.sync_gradients:  # the norm of the summed gradients
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach() / args.grad_accum
+            if not accelerator.sync_gradients:  # a micro-batch of a step still being accumulated
+                data_wait.start()
+                continue
             progress.step += 1
             progress.batch_in_epoch += 1
-            loss_sum += loss.detach()
+            loss_sum += step_loss
             trained += 1
-            step_logger.log(progress.step, loss, lr)
-            if progress.step >= stop_step:
-                break
-            if args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
-                    and progress.batch_in_epoch < steps_per_epoch:  # the end of an epoch saves its own
+            # NaN or inf: all processes stop, nothing of it saved; True: a stop signal, all stop here
+            stop = guard.check(step_loss, progress.step)
+            step_logger.log(progress.step, step_loss, lr)
+            step_loss = 0
+            if progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch:
+                break  # the epoch's last whole optimizer step: micro-batches left over wait for the next
+            if stop:  # saved at this step, then every process exits; at an epoch's end it saves below
+                guard.stop(save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints),
+                           progress.step)
+            if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
                 guard.flush()  # this step's loss is known to be finite before the step is saved
                 save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
             data_wait.start()
@@ -237,7 +252,9 @@ def main(args):
             write_metrics(output_dir, progress.history)
         accelerator.print(log_line(metrics))
         track(accelerator, metrics, step=progress.step)
-        save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+        saved = save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
+        if guard.agree() and progress.step < stop_step:  # a stop signal in the last step or evaluation
+            guard.stop(saved, progress.step)
 
     # ------------------------------------------------------------------------------- finish
     if accelerator.is_main_process:

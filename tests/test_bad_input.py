@@ -15,8 +15,9 @@ import pytest
 from helpers import ROOT
 
 from common.checkpoint import save_checkpoint
+from common.cli import check_folder
 from common.errors import UserError
-from common.parallel import check_gpus_per_node
+from common.parallel import check_batch_split, check_gpus_per_node
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
@@ -36,6 +37,7 @@ def make_run(folder: Path, model="resnet20"):
     """An earlier run's record: config.json, a checkpoint, weights."""
     (folder / "checkpoints" / "step_00000004").mkdir(parents=True)
     (folder / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    (folder / "checkpoints" / "step_00000004" / "checkpoint.json").write_text('{"files": {}}')  # complete, as listed
     (folder / "config.json").write_text('{"args": {"model": "%s", "batch_size": 64}}' % model)
     (folder / "model.safetensors").write_bytes(b"final weights of an earlier run")
 
@@ -48,6 +50,10 @@ def corrupt_parquet(folder: Path):
 
 def empty(folder: Path):
     folder.mkdir()
+
+
+def a_file(path: Path):
+    path.write_text("not a folder")
 
 
 def bad_yaml(folder: Path):
@@ -84,6 +90,10 @@ CASES = {
     "--output-dir holding another run": (python("train_single.py"), [*SMALL, "--output-dir", "{tmp}/old"],
                                          lambda t: make_run(t / "old"),
                                          "error: --output-dir {tmp}/old already holds a run: add --resume"),
+    "--output-dir that is a file": (python("train_single.py"), [*SMALL, "--output-dir", "{tmp}/out"],
+                                    lambda t: a_file(t / "out"),
+                                    "error: --output-dir {tmp}/out: must be a folder, but it is a file; choose "
+                                    "another --output-dir"),
     "--resume with nothing to resume": (python("train_single.py"),
                                         [*SMALL, "--output-dir", "{tmp}/new", "--resume"], None,
                                         "error: --resume: {tmp}/new does not exist"),
@@ -94,8 +104,11 @@ CASES = {
                                                "used 'resnet32'"),
     "--resume a checkpoint that does not load": (python("train_single.py"),
                                                  [*SMALL, "--output-dir", "{tmp}/old", "--resume"],
-                                                 lambda t: make_run(t / "old"),
-                                                 "error: --resume: cannot load {tmp}/old/checkpoints/step_00000004 ("),
+                                                 lambda t: (make_run(t / "old"), (  # and no checkpoint.json
+                                                     t / "old/checkpoints/step_00000004/checkpoint.json").unlink(
+                                                     missing_ok=True)),
+                                                 "error: --resume: no checkpoint in {tmp}/old/checkpoints is complete "
+                                                 "(step_00000004: model.safetensors is not a complete safetensors"),
     "--resume a folder that is no checkpoint": (python("train_single.py"), [*SMALL, "--resume", "{tmp}/old"],
                                                 lambda t: make_run(t / "old"),
                                                 "error: --resume {tmp}/old: not a checkpoint folder"),
@@ -148,12 +161,73 @@ def test_bad_input_gets_one_line(case, tmp_path):
 # Flag values that parse_args refuses (check_args, before anything is set up), in-process: the
 # subprocess rows above show that such a UserError reaches the user as one line.
 RANGES = [("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positive number"),
+          ("train_ddp", ["--grad-accum", "0"], "--grad-accum 0: must be 1 or more"),
+          ("train_single", ["--batch-size", "64", "--grad-accum", "3"],
+           "--batch-size 64 does not divide into --grad-accum 3 micro-batches: use 63 or 66"),
           ("train_single", ["--lr", "-0.1"], "--lr -0.1: must be a positive number"),
           ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"),
           ("train_dp", ["--reference-batch-size", "0"], "--reference-batch-size 0: must be 1 or more"),
           ("train_single", ["--checkpoint-every", "0"], "--checkpoint-every 0: must be 1 or more"),
           ("evaluate", ["--weights", "w.safetensors", "--eval-batch-size", "0"],
-           "--eval-batch-size 0: must be 1 or more")]
+           "--eval-batch-size 0: must be 1 or more"),
+          ("train_single", ["--momentum", "0"],
+           "--momentum 0.0: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
+          ("train_dp", ["--momentum", "nan"],
+           "--momentum nan: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
+          ("train_ddp", ["--weight-decay", "-1"], "--weight-decay -1.0: must be a number, 0 (none) or more"),
+          ("train_single", ["--weight-decay", "inf"], "--weight-decay inf: must be a number, 0 (none) or more"),
+          ("train_amp", ["--label-smoothing", "1"], "--label-smoothing 1.0: must be 0 (none) or more and below 1"),
+          ("train_single", ["--warmup-epochs", "nan"],
+           "--warmup-epochs nan: must be a number of epochs from 0 to --epochs 15"),
+          ("train_dp", ["--epochs", "3", "--warmup-epochs", "4"],
+           "--warmup-epochs 4.0: must be a number of epochs from 0 to --epochs 3"),
+          ("train_single", ["--schedule", "step", "--epochs", "10"],
+           "--milestones 4 9 14: must be increasing epochs from 1 to 9 for --schedule step with --epochs 10"),
+          ("train_ddp", ["--schedule", "step", "--milestones", "9", "4"],
+           "--milestones 9 4: must be increasing epochs from 1 to 14 for --schedule step with --epochs 15"),
+          ("train_single", ["--schedule", "step", "--milestones", "0", "4"],
+           "--milestones 0 4: must be increasing epochs from 1 to 14 for --schedule step with --epochs 15"),
+          ("train_single", ["--schedule", "step", "--epochs", "1"],
+           "--milestones 4 9 14: --schedule step with --epochs 1 has no epoch to divide the lr after; use --schedule "
+           "onecycle, or 2 or more --epochs"),
+          ("train_single", ["--seed", "-1"], "--seed -1: must be from 0 to 4294967295 (numpy's seeds are 32-bit)"),
+          ("train_amp", ["--seed", "4294967296"],
+           "--seed 4294967296: must be from 0 to 4294967295 (numpy's seeds are 32-bit)"),
+          ("train_ddp", ["--dist-timeout", "inf"],
+           "--dist-timeout inf: must be a number of seconds from 1 to 1000000000, e.g. 600"),
+          ("train_amp", ["--dist-timeout", "0"],
+           "--dist-timeout 0.0: must be a number of seconds from 1 to 1000000000, e.g. 600"),
+          ("train_single", ["--model", "torchvision:resnet51"],
+           "unknown torchvision model 'resnet51' in --model 'torchvision:resnet51' (closest: resnet50, resnet18, "
+           "resnet152, resnet101, resnet34); NAME is any of torchvision.models.list_models(module=torchvision.models)"),
+          ("evaluate", ["--weights", "w.safetensors", "--model", "resnet99"],
+           "unknown model 'resnet99': choose one of resnet18, resnet34, resnet50, resnet20, resnet32, resnet56, or "
+           "torchvision:NAME (e.g. torchvision:resnet50) where NAME is any of "
+           "torchvision.models.list_models(module=torchvision.models)"),
+          ("train_single", ["--val-fraction", "nan"], "--val-fraction nan: must be between 0 and 1, e.g. 0.1"),
+          ("train_dp", ["--loader-budget", "nan"], "--loader-budget nan: must be a number of GB, 0 or more"),
+          ("train_single", ["--loader", "workers", "--loader-budget", "8"],
+           "--loader-budget 8.0 is for --loader device or auto, not --loader workers: drop one of them"),
+          ("train_dp", ["--output-dir", f"{ROOT}/README.md/run"],
+           f"--output-dir {ROOT}/README.md/run: must be a folder, but {ROOT}/README.md is a file; choose another "
+           f"--output-dir"),
+          ("evaluate", ["--weights", "w.safetensors", "--cache-dir", f"{ROOT}/README.md"],
+           f"--cache-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --cache-dir"),
+          ("benchmark", ["--output-dir", f"{ROOT}/README.md"],
+           f"--output-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --output-dir"),
+          ("benchmark", ["--timeout", "nan"], "--timeout nan: must be a positive number of seconds"),
+          ("benchmark", ["--sweep-batch-size", "64", "0"], "--sweep-batch-size 64 0: each must be 1 or more"),
+          ("benchmark", ["--sweep-batch-size", "64", "--global-batch-size", "256"],
+           "--sweep-batch-size varies the per-device batch but --global-batch-size 256 holds the global batch: drop "
+           "one of them"),
+          ("benchmark", ["--per-device-batch-size", "512", "--loader-images", "100"],
+           "--loader-images 100: less than one batch of --per-device-batch-size 512; raise it"),
+          ("gpu_check", ["--output-dir", f"{ROOT}/README.md"],
+           f"--output-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --output-dir"),
+          ("check_gpus", ["--size-mb", "nan"], "--size-mb nan: must be a positive number"),
+          ("check_gpus", ["--timeout", "0"], "--timeout 0.0: must be a positive number"),
+          ("check_gpus", ["--iters", "0"], "--iters 0: must be 1 or more"),
+          ("check_gpus", ["--cpu-processes", "1"], "--cpu-processes 1: must be 2 or more")]
 
 
 @pytest.mark.parametrize("script, flags, message", RANGES)
@@ -164,6 +238,15 @@ def test_out_of_range_flags_are_refused_when_parsed(script, flags, message):
     with pytest.raises(UserError) as error:
         module.parse_args(flags)
     assert error.value.message == message
+
+
+def test_a_folder_that_cannot_be_written_in(monkeypatch, tmp_path):
+    """Root may write anywhere, so the refusal os.access would give another user is simulated."""
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(UserError) as error:
+        check_folder("--output-dir", str(tmp_path / "run"))
+    assert error.value.message == (f"--output-dir {tmp_path}/run: must be a folder you can write in, but {tmp_path} "
+                                   f"is not writable; choose another --output-dir")
 
 
 def test_a_port_already_in_use():
@@ -177,6 +260,14 @@ def test_a_port_already_in_use():
                               timeout=60)
     assert done.returncode != 0
     assert f"port: {port}" in done.stderr.strip().splitlines()[-1] and "address already in use" in done.stderr
+
+
+def test_a_batch_that_does_not_split_into_processes_and_micro_batches():
+    with pytest.raises(UserError) as error:
+        check_batch_split(100, 2, "processes", grad_accum=4)
+    assert error.value.message == ("--batch-size 100 does not divide by 8 (2 processes x 4 micro-batches of "
+                                   "--grad-accum): use 96 or 104")
+    check_batch_split(96, 2, "processes", grad_accum=4)
 
 
 def test_more_processes_than_gpus(monkeypatch):

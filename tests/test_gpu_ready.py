@@ -6,6 +6,7 @@ under --deterministic on real kernels) is in tests/test_gpu.py, run by `make gpu
 
 import dataclasses
 import os
+import signal
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from common.batches import BatchTransform, on_device
 from common.checkpoint import latest_checkpoint
 from common.data import make_synthetic
 from common.errors import UserError
-from common.parallel import NonFiniteGuard, SkippedSteps, choose_mixed_precision, set_numerics
+from common.parallel import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, choose_mixed_precision, set_numerics
 from common.tracking import DataWait, start_tracking
 
 
@@ -24,9 +25,11 @@ class FakeAccelerator:
     """What the guards use of an Accelerator, in one process."""
 
     is_main_process = True
+    device = torch.device("cpu")
 
     def __init__(self):
-        self.waited = 0
+        self.waited = self.ended = 0
+        self.printed = []
         self.optimizer_step_was_skipped = False
         self.scaler = type("Scaler", (), {"get_scale": lambda self: 2.0 ** -30})()
 
@@ -36,39 +39,84 @@ class FakeAccelerator:
     def wait_for_everyone(self):
         self.waited += 1
 
+    def print(self, *values, **kwargs):
+        self.printed.append(" ".join(map(str, values)))
+
+    def end_training(self):
+        self.ended += 1
+
 
 def checkpoints(folder, *steps):
     for step in steps:
         (folder / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (folder / "checkpoints" / f"step_{step:08d}" / "checkpoint.json").write_text('{"files": {}}')
 
 
 # ------------------------------------------------------------------------------ non-finite loss
 
-def test_a_non_finite_loss_stops_one_step_later_and_before_anything_is_saved(tmp_path, capsys):
+def test_a_non_finite_loss_stops_before_anything_is_saved(tmp_path, capsys):
     checkpoints(tmp_path, 40)
     accelerator = FakeAccelerator()
-    guard = NonFiniteGuard(accelerator, tmp_path)
-    guard.check(torch.tensor(2.3), 41)
-    guard.check(torch.tensor(float("nan")), 42)  # read at the next step, not now: no wait for the device
-    assert capsys.readouterr().err == ""
+    guard = StepGuard(accelerator, tmp_path, listen=False)
+    assert guard.check(torch.tensor(2.3), 41) is False
     with pytest.raises(SystemExit) as stopped:
-        guard.check(torch.tensor(2.1), 43)
+        guard.check(torch.tensor(float("nan")), 42)  # on a CPU read at once; on a GPU one step later
     assert stopped.value.code == 1 and accelerator.waited == 1  # every process speaks before any exits
     assert capsys.readouterr().err == (
         f"error: the loss is nan at step 42: training stopped and nothing of that step was saved; the last good "
         f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr\n")
 
 
-def test_flush_reads_the_newest_loss_before_a_checkpoint(tmp_path, capsys):
-    guard = NonFiniteGuard(FakeAccelerator(), tmp_path)
+def test_a_gpu_step_is_read_one_step_later_and_flushed_before_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """The GPU path on the CPU: the copy to the host and its event stand in for the device's."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self.clone())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None,
+                                                                      "synchronize": lambda self: None})())
+    guard = StepGuard(FakeAccelerator(), tmp_path, listen=False)
     guard.check(torch.tensor(1.0), 1)
     guard.flush()  # finite: goes on
     guard.flush()  # nothing pending
-    guard.check(torch.tensor(float("inf")), 2)
+    guard.check(torch.tensor(float("inf")), 2)  # pending: the host did not wait for it
     with pytest.raises(SystemExit):
         guard.flush()
     err = capsys.readouterr().err
     assert "the loss is inf at step 2" in err and "there is no checkpoint yet: start again with a lower --lr" in err
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_finishes_the_step_then_every_process_stops(tmp_path, stop_signal):
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    accelerator = FakeAccelerator()
+    try:
+        guard = StepGuard(accelerator, tmp_path)
+        assert guard.check(torch.tensor(2.0), 6) is False
+        os.kill(os.getpid(), stop_signal)  # the handler only notes it: this process goes on
+        assert guard.received == stop_signal.name and not guard.stopping
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal (the launcher's and SLURM's) changes nothing
+        assert guard.received == stop_signal.name
+        assert guard.check(torch.tensor(2.0), 7) is True and guard.agree() is True
+        with pytest.raises(SystemExit) as stopped:
+            guard.stop(tmp_path / "checkpoints" / "step_00000007", 7)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert stopped.value.code == STOPPED_EXIT_CODE == 75 and accelerator.ended == 1
+    assert accelerator.printed == [
+        f"stopped by {stop_signal.name} after step 7: the training state is in {tmp_path}/checkpoints/step_00000007; "
+        f"the same command with --resume continues from there (exit code 75)"]
+
+
+def test_a_signal_to_another_process_stops_this_one_at_the_same_step(tmp_path):
+    class OtherProcessSignalled(FakeAccelerator):
+        def reduce(self, tensor, reduction):  # the sum over 2 processes, the other one signalled
+            return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
+
+    guard = StepGuard(OtherProcessSignalled(), tmp_path, listen=False)
+    assert guard.received is None and guard.check(torch.tensor(2.0), 3) is True
+    without = StepGuard(FakeAccelerator(), tmp_path, listen=False)
+    assert without.check(torch.tensor(2.0), 3) is False and without.agree() is False
 
 
 # ------------------------------------------------------------------------------ fp16 skipped steps
