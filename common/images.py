@@ -12,7 +12,9 @@ Augmentation is drawn per sample from (seed, epoch, index), not from the worker'
 it does not depend on the number of workers, of processes or on where a resumed run restarts.
 """
 
+import atexit
 import io
+import multiprocessing
 import os
 import signal
 import sys
@@ -25,7 +27,6 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from common.errors import first_line
-from common.parallel import STOP_SIGNALS
 
 # Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
 # ones with ImageNet's (random-resized crop, flip).
@@ -177,12 +178,14 @@ def default_workers(processes_per_node: int = 1) -> int:
 
 class _WorkerInit:
     """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
-    transform added that draws from them (ours draw per sample and do not need it), and has the worker
-    ignore the stop signals: SLURM signals every process of a job, and a worker that died of one would
-    fail the step the training process finishes before it saves (common.parallel.StepGuard)."""
+    transform added that draws from them (ours draw per sample and do not need it), and keeps the
+    worker alive through the job's stop signals: SLURM signals every process of a job, and a worker
+    that died of one would fail the step the training process finishes before it saves
+    (common.parallel.StepGuard). SIGTERM still ends a worker once its training process is exiting
+    (``_exiting``): multiprocessing terminates the workers left then, and waits for them."""
 
     def __init__(self, seed: int, process: int):
-        self.seed, self.process = seed, process
+        self.seed, self.process, self.exiting = seed, process, _exiting()
 
     def __call__(self, worker: int):
         import random
@@ -192,8 +195,27 @@ class _WorkerInit:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
-        for stop_signal in STOP_SIGNALS:  # the training process stops the workers
-            signal.signal(stop_signal, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        if self.exiting.value:  # from the exiting training process: die of it, as by default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        # else a stop signal to the whole job: the training process finishes its step and stops us
+
+
+_EXITING = None
+
+
+def _exiting():
+    """A flag in shared memory that this process raises when it exits (atexit runs before
+    multiprocessing terminates the workers still running)."""
+    global _EXITING
+    if _EXITING is None:
+        _EXITING = multiprocessing.RawValue("b", 0)
+        atexit.register(setattr, _EXITING, "value", 1)
+    return _EXITING
 
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, augment: bool = True,

@@ -206,6 +206,8 @@ class StepGuard:
                                f"the training state is in {checkpoint}; the same command with --resume "
                                f"continues from there (exit code {STOPPED_EXIT_CODE})", flush=True)
         self.accelerator.end_training()
+        for stop_signal in STOP_SIGNALS:  # the launcher's SIGTERM, once another process has exited, must
+            signal.signal(stop_signal, signal.SIG_IGN)  # not kill this one while it shuts down
         raise SystemExit(STOPPED_EXIT_CODE)
 
     def _read(self, step: int, total: torch.Tensor, arrived) -> bool:

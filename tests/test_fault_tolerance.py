@@ -1,9 +1,13 @@
-"""Crash, restart, resume: a killed worker costs the steps since the last checkpoint, nothing more.
+"""Crash, restart, stop, resume: a killed worker costs the steps since the last checkpoint, nothing more,
+and a stop signal costs nothing.
 
 The contract, on 2 CPU processes: kill one worker with SIGKILL in the middle of an epoch, let the
 launcher restart the job, and the final weights equal those of an uninterrupted run bit for bit.
+SIGTERM or SIGUSR1 (a scheduler's "stop now") to one process or to the launcher: every process
+stops after the same step with a checkpoint and exit code 75, and --resume continues bit for bit.
 """
 
+import json
 import os
 import re
 import signal
@@ -25,6 +29,9 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic
 # The restart recipe that works: c10d rendezvous, and the launcher told not to share
 # its TCP store with the rendezvous; the default static rendezvous fails to restart.
 RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
+SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
+STOPPED = 75  # common.parallel.STOPPED_EXIT_CODE
+STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state is in (\S+); .*?\(exit code 75\)")
 
 
 def env(tmp_path):
@@ -44,21 +51,38 @@ def run(cmd, tmp_path, *extra):
     return done
 
 
-def kill_worker_after(process, checkpoint: Path, local_rank: str, timeout=180):
-    """SIGKILL the worker with ``local_rank`` as soon as ``checkpoint`` exists; returns its pid."""
+def wait_for(process, checkpoint: Path, timeout=180):
+    """Return as soon as ``checkpoint`` exists, while ``process`` still runs."""
     deadline = time.time() + timeout
     while not checkpoint.exists():
-        assert process.poll() is None, "the job ended before the checkpoint to kill after"
+        assert process.poll() is None, "the job ended before the checkpoint to signal after"
         assert time.time() < deadline, f"{checkpoint} never appeared"
         time.sleep(0.05)
+
+
+def kill_worker_after(process, checkpoint: Path, local_rank: str, timeout=180, signum=signal.SIGKILL):
+    """Send ``signum`` to the worker with ``local_rank`` as soon as ``checkpoint`` exists; returns its pid."""
+    wait_for(process, checkpoint, timeout)
     for child in psutil.Process(process.pid).children(recursive=True):
         try:
             if "train_" in " ".join(child.cmdline()) and child.environ().get("LOCAL_RANK") == local_rank:
-                child.send_signal(signal.SIGKILL)
+                child.send_signal(signum)
                 return child.pid
         except psutil.NoSuchProcess:
             continue
     raise AssertionError("no worker to kill")
+
+
+def stopped_at(output: str, out: Path, signal_name: str) -> int:
+    """The step of the one stop line in ``output``, checked: named ``signal_name``, pointing at its
+    checkpoint, no final weights."""
+    lines = STOP_LINE.findall(output)
+    assert len(lines) == 1, output[-3000:]  # one line for the job, from the main process
+    name, step, checkpoint = lines[0][0], int(lines[0][1]), Path(lines[0][2])
+    assert name == signal_name and 4 < step < 12, lines  # the resumed runs go on to step 12
+    assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and (checkpoint / "checkpoint.json").is_file()
+    assert not (out / "model.safetensors").exists()
+    return step
 
 
 def assert_same(a: Path, b: Path):
@@ -72,6 +96,14 @@ def assert_same(a: Path, b: Path):
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run"
     run(accelerate(), tmp_path_factory.getbasetemp(), "--output-dir", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory):
+    """An uninterrupted train_single run: the reference for the single-process stops and kills."""
+    out = tmp_path_factory.mktemp("single") / "reference"
+    run(SINGLE, tmp_path_factory.getbasetemp(), "--output-dir", out)
     return out
 
 
@@ -108,23 +140,75 @@ def test_ddp_stop_and_resume_by_hand(uninterrupted, tmp_path):
     assert_same(out, uninterrupted)
 
 
-def test_single_killed_and_resumed_by_hand(tmp_path):
-    reference = tmp_path / "reference"
-    single = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
-    run(single, tmp_path, "--output-dir", reference)
-
+def test_single_killed_and_resumed_by_hand(single_reference, tmp_path):
     out = tmp_path / "run"
-    process = subprocess.Popen([*single, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+    process = subprocess.Popen([*SINGLE, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    checkpoint = out / "checkpoints" / "step_00000012"
-    while not checkpoint.exists():
-        assert process.poll() is None, "the run ended before the checkpoint to kill after"
-        time.sleep(0.05)
+    wait_for(process, out / "checkpoints" / "step_00000012")
     process.kill()
     process.wait()
     assert not (out / "model.safetensors").exists()
-    run(single, tmp_path, "--output-dir", out, "--resume")
-    assert_same(out, reference)
+    run(SINGLE, tmp_path, "--output-dir", out, "--resume")
+    assert_same(out, single_reference)
+
+
+# ----------------------------------------------------------------------------------- stop signals
+# A stop is checked against the uninterrupted runs' step-12 checkpoints (they keep all of theirs):
+# the resumed run goes on to step 12 only, across the end of epoch 1, to keep these tests short.
+
+
+def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_reference, tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen([*SINGLE, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(process, out / "checkpoints" / "step_00000004")
+    sent = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    seconds = time.perf_counter() - sent
+    print(f"\ntrain_single: SIGTERM to exit {seconds:.1f} s")
+    assert process.returncode == STOPPED and seconds < 60, output[-3000:]
+    step = stopped_at(output, out, "SIGTERM")
+    done = run(SINGLE, tmp_path, "--output-dir", out, "--resume", "--max-steps", 12)
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in done.stdout
+    assert_same(out / "checkpoints" / "step_00000012", single_reference / "checkpoints" / "step_00000012")
+
+
+def test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit(uninterrupted, tmp_path):
+    """The launcher passes SIGTERM on to its workers, which stop together; the launcher itself then
+    exits 1 (torch raises SignalException), not 75."""
+    out = tmp_path / "run"
+    process = subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(process, out / "checkpoints" / "step_00000004")
+    sent = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    seconds = time.perf_counter() - sent
+    print(f"\ntrain_ddp, 2 processes: SIGTERM to the launcher to its exit {seconds:.1f} s")
+    assert process.returncode not in (0, STOPPED) and seconds < 60, output[-3000:]
+    assert "closing signal SIGTERM" in output  # passed on by the launcher, not sent to the workers by us
+    step = stopped_at(output, out, "SIGTERM")
+    done = run(accelerate(), tmp_path, "--output-dir", out, "--resume", "--max-steps", 12)
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in done.stdout
+    assert_same(out / "checkpoints" / "step_00000012", uninterrupted / "checkpoints" / "step_00000012")
+
+
+def test_sigusr1_to_one_worker_stops_both_after_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_worker_after(process, out / "checkpoints" / "step_00000004", local_rank="1", signum=signal.SIGUSR1)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode != 0, output[-3000:]
+    # Rank 0 got no signal and says so; it stopped because rank 1 did, after the same step.
+    step = stopped_at(output, out, "a stop signal to another process")
+    exit_codes = re.findall(r"exitcode\s*: (-?\d+)", output)  # the launcher's table of the workers that ended
+    assert exit_codes and set(exit_codes) == {str(STOPPED)}, output[-3000:]
+    # One checkpoint after step 4, written by both processes together.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", f"step_{step:08d}"]
+    saved = {p.name for p in (out / "checkpoints" / f"step_{step:08d}").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "checkpoint.json"} <= saved, saved
 
 
 def test_a_nan_loss_stops_every_process_at_the_same_step(tmp_path):
@@ -152,3 +236,159 @@ def test_a_stalled_worker_fails_the_job_after_the_dist_timeout(tmp_path):
     assert done.returncode != 0
     assert re.search(r"[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
     assert elapsed < 200, f"the job took {elapsed:.0f} s to fail"  # start-up + 10 s, not the 3,600 s stall
+
+
+LISTENER = """import os, pathlib, signal, sys, time
+# A worker that records the stop signals it gets; it ends when one comes or its launcher dies.
+folder, parent, got = pathlib.Path(sys.argv[1]), os.getppid(), []
+for stop in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(stop, lambda signum, frame: got.append(signal.Signals(signum).name))
+(folder / f"ready-{os.environ['RANK']}").touch()
+deadline = time.time() + 60
+while not got and os.getppid() == parent and time.time() < deadline:
+    time.sleep(0.02)
+(folder / f"got-{os.environ['RANK']}").write_text(",".join(got))
+"""
+
+
+@pytest.mark.parametrize("variable", ["PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"])
+def test_the_launcher_passes_sigusr1_on_only_through_pet_signals_to_handle(variable, tmp_path):
+    """What slurm_2nodes.sh relies on: torch's launcher (here under accelerate launch) dies of SIGUSR1
+    unless PET_SIGNALS_TO_HANDLE (torchrun's --signals-to-handle) names it; the launcher overwrites
+    TORCHELASTIC_SIGNALS_TO_HANDLE with that list, so setting that one does nothing."""
+    (tmp_path / "listener.py").write_text(LISTENER)
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
+           "--num_processes", "2", str(tmp_path / "listener.py"), str(tmp_path)]
+    environment = {**env(tmp_path), variable: "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    process = subprocess.Popen(cmd, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    deadline = time.time() + 60
+    while not all((tmp_path / f"ready-{rank}").exists() for rank in "01"):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGUSR1)
+    output = process.communicate(timeout=60)[0]
+    deadline = time.time() + 10  # workers orphaned by a killed launcher notice it within 20 ms
+    while not all((tmp_path / f"got-{rank}").exists() for rank in "01") and time.time() < deadline:
+        time.sleep(0.02)
+    got = [(tmp_path / f"got-{rank}").read_text() for rank in "01"]
+    if variable == "PET_SIGNALS_TO_HANDLE":
+        assert got == ["SIGUSR1", "SIGUSR1"] and process.returncode == 1, output
+    else:
+        assert got == ["", ""] and process.returncode == -signal.SIGUSR1, output
+
+
+# --------------------------------------------------------------------------------------- SLURM
+# accelerate_configs/slurm_2nodes.sh run as sbatch would start it, with srun, scontrol and accelerate
+# replaced by stand-ins on PATH: no training, only what the script passes on and decides.
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one node: runs its task and passes SIGUSR1 on to it, as srun does to its step's processes.
+"$@" &
+task=$!
+trap 'kill -USR1 "$task"' USR1
+status=0
+wait "$task" || status=$?
+while kill -0 "$task" 2>/dev/null; do status=0; wait "$task" || status=$?; done
+exit "$status"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1" in
+    show) printf 'node1\\nnode2\\n' ;;
+    *) echo "$*" >> "$FAKE_LOG/scontrol" ;;
+esac
+"""
+# The launcher: records what it got. FAKE_OUTCOME "finish" writes the final weights and exits 0, "fail"
+# exits 1 at once; "stop" and "finish-late" run until a signal and then exit 1, as torch's launcher
+# does after passing a signal on to its workers, "finish-late" with the final weights written.
+FAKE_ACCELERATE = """#!{python}
+import json, os, pathlib, signal, sys, time
+log, args, got = pathlib.Path(os.environ["FAKE_LOG"]), sys.argv[1:], []
+signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signal.Signals(signum).name))
+(log / "started").touch()
+outcome, deadline = os.environ["FAKE_OUTCOME"], time.time() + 60
+while outcome in ("stop", "finish-late") and not got and time.time() < deadline:
+    time.sleep(0.02)
+if outcome.startswith("finish"):
+    output_dir = pathlib.Path(args[args.index("--output-dir") + 1])
+    output_dir.mkdir(parents=True)
+    (output_dir / "model.safetensors").touch()
+names = ("PET_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+(log / "accelerate.json").write_text(json.dumps({{"args": args, "signals": got,
+                                                 "env": {{name: os.environ.get(name) for name in names}}}}))
+sys.exit(0 if outcome == "finish" else 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_slurm(tmp_path_factory):
+    """A folder of stand-ins for srun, scontrol and accelerate, to put first on PATH."""
+    folder = tmp_path_factory.mktemp("fake-slurm")
+    for name, text in [("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("accelerate", FAKE_ACCELERATE.format(python=sys.executable))]:
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def sbatch(fake_slurm, job: Path, outcome: str, job_id="4242", restart_count=0, usr1=False):
+    """Run the SLURM script in ``job`` (its working folder) as the batch shell of job ``job_id``; with
+    ``usr1``, SIGUSR1 to the shell once the launcher runs, as --signal=B:USR1 sends it. Returns the
+    exit code, the output, what the launcher recorded and what scontrol was asked."""
+    job.mkdir()
+    environment = {**os.environ, "PATH": f"{fake_slurm}:{os.environ['PATH']}", "FAKE_LOG": str(job),
+                   "FAKE_OUTCOME": outcome, "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "train-ddp",
+                   "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
+                   "SLURM_RESTART_COUNT": str(restart_count)}
+    environment.pop("OUTPUT_DIR", None)
+    process = subprocess.Popen(["bash", str(ROOT / "accelerate_configs" / "slurm_2nodes.sh"), "--model", "resnet50"],
+                               cwd=job, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if usr1:
+        deadline = time.time() + 30
+        while not (job / "started").exists():
+            assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGUSR1)
+    output = process.communicate(timeout=60)[0]
+    launcher = json.loads((job / "accelerate.json").read_text())
+    asked = (job / "scontrol").read_text().splitlines() if (job / "scontrol").exists() else []
+    return process.returncode, output, launcher, asked
+
+
+def sbatch_option(name: str) -> str:
+    script = (ROOT / "accelerate_configs" / "slurm_2nodes.sh").read_text()
+    (value,) = re.findall(rf"^#SBATCH --{name}(?:=(\S+))?$", script, re.MULTILINE)
+    return value
+
+
+def test_the_slurm_script_saves_before_the_time_limit_and_requeues(fake_slurm, tmp_path):
+    assert sbatch_option("requeue") == "" and sbatch_option("open-mode") == "append"
+    warning = sbatch_option("signal")  # B:USR1@seconds: to the batch shell, before the time limit
+    assert re.fullmatch(r"B:USR1@\d+", warning), warning
+
+    code, output, launcher, asked = sbatch(fake_slurm, tmp_path / "first", "stop", usr1=True)
+    assert launcher["signals"] == ["SIGUSR1"], output  # the shell passed it on, through srun
+    assert asked == ["requeue 4242"] and code == 1, output
+    # The launcher passes SIGUSR1 on to its workers (TORCHELASTIC_SIGNALS_TO_HANDLE would be overwritten)
+    # and gives them less time to save than the warning leaves before the time limit.
+    assert "SIGUSR1" in launcher["env"]["PET_SIGNALS_TO_HANDLE"].split(",")
+    assert 30 < int(launcher["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < int(warning.split("@")[1])
+    args = launcher["args"]
+    assert args[:3] == ["launch", "--config_file", "accelerate_configs/2nodes_4gpu.yaml"]
+    assert args[args.index("--machine_rank") + 1] == "0" and args[args.index("--main_process_ip") + 1] == "node1"
+    assert args[-2:] == ["--model", "resnet50"]
+
+    # The requeued job: same id, so the same run folder, where it finds its checkpoints.
+    _, _, requeued, _ = sbatch(fake_slurm, tmp_path / "requeued", "finish", restart_count=1)
+    folder = args[args.index("--output-dir") + 1]
+    assert folder == "runs/train-ddp-4242" and requeued["args"] == args
+
+
+def test_the_slurm_script_requeues_neither_a_finished_nor_a_failed_job(fake_slurm, tmp_path):
+    code, output, launcher, asked = sbatch(fake_slurm, tmp_path / "finished", "finish")
+    assert (code, asked, launcher["signals"]) == (0, [], []), output
+    code, output, _, asked = sbatch(fake_slurm, tmp_path / "failed", "fail")  # a crash: no signal came
+    assert (code, asked) == (1, []), output
+    # The warning came, but the run finished meanwhile (final weights): nothing to continue.
+    code, output, launcher, asked = sbatch(fake_slurm, tmp_path / "finished-late", "finish-late", usr1=True)
+    assert (code, asked, launcher["signals"]) == (1, [], ["SIGUSR1"]), output
