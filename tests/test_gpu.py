@@ -36,7 +36,7 @@ from helpers import DATA, ROOT, TINY, run, weights
 from common.batches import BatchTransform, on_device, tensor_loader
 from common.data import make_synthetic
 from common.models import build_model
-from common.parallel import NonFiniteGuard
+from common.parallel import StepGuard
 from common.tracking import DataWait
 
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
@@ -304,7 +304,7 @@ def test_check_gpus_passes(record):
 @gpu()
 def test_a_training_step_never_makes_the_host_wait_for_the_gpu(record, tmp_path):
     """The input path (indices, gather, augmentation, normalisation), the data-wait clock, the
-    forward and backward passes, the optimizer and the NaN check queue their work without a
+    forward and backward passes, the optimizer and the step check (NaN loss, stop signals) queue their work without a
     synchronising call: torch.cuda.set_sync_debug_mode("error") raises on any. The NaN check's one
     wait, for the previous step's loss, is an event's (long complete by then)."""
     class OneProcess:
@@ -317,7 +317,7 @@ def test_a_training_step_never_makes_the_host_wait_for_the_gpu(record, tmp_path)
     transform = BatchTransform([125.0, 123.0, 114.0], [63.0, 62.0, 66.0], channels_last=True)
     model = build_model("resnet20", 10).to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard, wait = NonFiniteGuard(OneProcess(), tmp_path), DataWait(device)
+    guard, wait = StepGuard(OneProcess(), tmp_path, listen=False), DataWait(device)
 
     def step(i):
         wait.start()
