@@ -199,9 +199,8 @@ class _WorkerInit:
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
-        if self.exiting.value:  # from the exiting training process: die of it, as by default
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if self.exiting.value:  # from the exiting training process: end, quietly (exit 0: torch's
+            os._exit(0)  # SIGCHLD handler there reports a worker killed by a signal as a failure)
         # else a stop signal to the whole job: the training process finishes its step and stops us
 
 
