@@ -157,15 +157,21 @@ def test_single_killed_and_resumed_by_hand(single_reference, tmp_path):
 # the resumed run goes on to step 12 only, across the end of epoch 1, to keep these tests short.
 
 
-def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_reference, tmp_path):
-    out = tmp_path / "run"
-    process = subprocess.Popen([*SINGLE, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+def sigterm_after_step_4(command, out, tmp_path):
+    """Start ``command`` into ``out``, SIGTERM it once the step-4 checkpoint exists: the process, its
+    output, and the seconds from the signal to its exit."""
+    process = subprocess.Popen([*command, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(process, out / "checkpoints" / "step_00000004")
     sent = time.perf_counter()
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0]
-    seconds = time.perf_counter() - sent
+    return process, output, time.perf_counter() - sent
+
+
+def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_reference, tmp_path):
+    out = tmp_path / "run"
+    process, output, seconds = sigterm_after_step_4(SINGLE, out, tmp_path)
     print(f"\ntrain_single: SIGTERM to exit {seconds:.1f} s")
     assert process.returncode == STOPPED and seconds < 60, output[-3000:]
     step = stopped_at(output, out, "SIGTERM")
@@ -178,13 +184,7 @@ def test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit(uninterrup
     """The launcher passes SIGTERM on to its workers, which stop together; the launcher itself then
     exits 1 (torch raises SignalException), not 75."""
     out = tmp_path / "run"
-    process = subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(process, out / "checkpoints" / "step_00000004")
-    sent = time.perf_counter()
-    process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=120)[0]
-    seconds = time.perf_counter() - sent
+    process, output, seconds = sigterm_after_step_4(accelerate(), out, tmp_path)
     print(f"\ntrain_ddp, 2 processes: SIGTERM to the launcher to its exit {seconds:.1f} s")
     assert process.returncode not in (0, STOPPED) and seconds < 60, output[-3000:]
     assert "closing signal SIGTERM" in output  # passed on by the launcher, not sent to the workers by us
