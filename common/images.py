@@ -14,15 +14,17 @@ it does not depend on the number of workers, of processes or on where a resumed 
 
 import atexit
 import io
+import math
 import multiprocessing
 import os
+import random
 import signal
 import sys
 
 import numpy as np
 import PIL.Image
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
@@ -32,6 +34,7 @@ from common.errors import first_line
 # ones with ImageNet's (random-resized crop, flip).
 PAD_CROP_MAX_SIZE = 64
 PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
+CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop defaults
 
 
 class BadImage(Exception):
@@ -84,15 +87,36 @@ def crop_mode(size: int) -> str:
     return "pad" if size <= PAD_CROP_MAX_SIZE else "resized"
 
 
-def train_transform(size: int, augment: bool = True):
-    """The per-sample training transform of uint8 images of any size to uint8 size x size."""
-    if not augment:
-        return lambda image: fit(image, size)
+def augment(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
+    """A training view (3, size, size) of a uint8 image, every random number drawn from ``rng``: the
+    crop of crop_mode(size), then a horizontal flip half the time."""
     if crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
-        crop = v2.RandomCrop(size, padding=PADDING, fill=0)
-        flip = v2.RandomHorizontalFlip()
-        return lambda image: flip(crop(fit(image, size)))
-    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+        image = v2.functional.pad(fit(image, size), [PADDING])  # zeros, as torchvision's RandomCrop
+        top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
+        image = v2.functional.crop(image, top, left, size, size)
+    else:
+        image = v2.functional.resized_crop(image, *resized_crop_box(*image.shape[-2:], rng), [size, size],
+                                           antialias=True)
+    return v2.functional.horizontal_flip(image) if rng.random() < 0.5 else image
+
+
+def resized_crop_box(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of a random-resized crop, drawn as torchvision's RandomResizedCrop
+    draws it with its defaults: 8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform),
+    10 tries, else the largest centre crop within those ratios."""
+    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    for _ in range(10):
+        area = height * width * rng.uniform(*CROP_SCALE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h, w = round(math.sqrt(area / aspect)), round(math.sqrt(area * aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    h, w = height, width
+    if width / height < CROP_RATIO[0]:
+        h = round(width / CROP_RATIO[0])
+    elif width / height > CROP_RATIO[1]:
+        w = round(height * CROP_RATIO[1])
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def sample_seed(*key: int) -> int:
@@ -112,7 +136,6 @@ class SampleImages(Dataset):
                  skip_bad: bool = False):
         self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
         self.augment = train and augment
-        self.transform = train_transform(size, self.augment)
 
     def __len__(self):
         return len(self.split)
@@ -120,13 +143,8 @@ class SampleImages(Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         image, index = self.read(index)
-        if self.augment:
-            # transforms.v2 draws from torch's global generator: a private one per sample, restored after.
-            with torch.random.fork_rng(devices=[]):
-                # The CPU generator only: torch.manual_seed would also queue seeds for every
-                # accelerator, at about 1.5 ms an image.
-                torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
-                image = self.transform(image)
+        if self.augment:  # the same view whatever worker or process reads the sample, in every run
+            image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)))
         else:
             image = fit(image, self.size)
         return image, int(self.split.labels[index])
@@ -188,8 +206,6 @@ class _WorkerInit:
         self.seed, self.process, self.exiting = seed, process, _exiting()
 
     def __call__(self, worker: int):
-        import random
-
         seed = sample_seed(self.seed, self.process, worker)
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -219,7 +235,8 @@ def _exiting():
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, augment: bool = True,
                   seed: int = 0, process: int = 0, pin_memory: bool = False, skip_bad: bool = False) -> DataLoader:
-    """A DataLoader of uint8 (B, 3, size, size) batches decoded by ``workers`` processes.
+    """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by ``workers``
+    processes.
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
     keep every image in order. Workers stay up between epochs (persistent_workers).
@@ -227,7 +244,16 @@ def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, 
     dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad)
     return DataLoader(dataset, batch_size=batch_size, sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory,
+                      collate_fn=collate_channels_last,
                       worker_init_fn=_WorkerInit(seed, process), prefetch_factor=4 if workers else None)
+
+
+def collate_channels_last(samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (3, H, W) and labels to a uint8 batch (B, 3, H, W) in channels_last memory (NHWC), the
+    scripts' default layout: the worker, not the training process, does the reordering (as it
+    stacks the batch into shared memory, in default_collate)."""
+    images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
+    return images.permute(0, 3, 1, 2), labels
 
 
 def report_bad_images() -> None:

@@ -59,6 +59,16 @@ def test_normalisation_uses_the_data_statistics():
     assert normalised.mean().abs() < 1e-3 and (normalised.std() - 1).abs() < 1e-2
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["from NCHW", "from NHWC"])
+def test_normalisation_is_the_textbook_formula_in_the_wanted_layout(channels_last, layout):
+    batch = images().contiguous(memory_format=layout)
+    out = BatchTransform([10, 20, 30], [2, 3, 4], augment=False, channels_last=channels_last).eval(batch)
+    mean, std = torch.tensor([10.0, 20, 30]).view(1, 3, 1, 1), torch.tensor([2.0, 3, 4]).view(1, 3, 1, 1)
+    assert torch.equal(out, (batch.float() - mean) / std)  # the same float32 rounding, bit for bit
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def test_no_augment_only_normalises():
     batch = images()
     transform = BatchTransform([10, 20, 30], [2, 2, 2], augment=False)

@@ -25,6 +25,7 @@ pickles. Covered:
 
 import importlib.util
 import io
+import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,13 +37,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 from helpers import ROOT, run
+from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
 from common import data as data_module
 from common.cli import build_parser, check_args
 from common.data import ImageData, load_image_data, open_source
 from common.errors import UserError
-from common.images import SampleImages, decode, worker_loader
+from common.images import SampleImages, decode, resized_crop_box, worker_loader
 from common.inputs import load_inputs
 
 CLASSES = ["cat", "dog", "frog"]
@@ -354,6 +356,8 @@ def test_augmentation_does_not_depend_on_the_workers(name, sources, tmp_path):
     assert len(in_process) == len(two_workers) == len(split) // 8  # the last partial batch dropped
     for (a, a_labels), (b, b_labels) in zip(in_process, two_workers):
         assert a.shape == (8, 3, 32, 32) and torch.equal(a, b) and torch.equal(a_labels, b_labels)
+        # NHWC, the scripts' default layout, reordered in the workers rather than the training process
+        assert a.is_contiguous(memory_format=torch.channels_last) and b.is_contiguous(memory_format=torch.channels_last)
     next_epoch = epoch_batches(split, 32, 0, epoch=1)
     assert not torch.equal(torch.cat([b[1] for b in next_epoch]), torch.cat([b[1] for b in in_process]))
 
@@ -371,6 +375,30 @@ def test_each_sample_has_its_own_crop_per_epoch(sources, size):
     assert not torch.equal(first, torch.stack([other_seed[0, i][0] for i in range(len(split))]))
     evaluation = SampleImages(split, size, train=False, seed=5)
     assert torch.equal(evaluation[0][0], evaluation[0][0]) and evaluation[0][0].shape == (3, size, size)
+
+
+def test_random_resized_crop_boxes_are_drawn_as_torchvisions():
+    """resized_crop_box against torchvision's own RandomResizedCrop: the same ranges, the same
+    distribution over many draws, and the same centre crop when no try fits."""
+    height, width, draws = 300, 450, 4000
+    ours = [resized_crop_box(height, width, random.Random(k)) for k in range(draws)]
+    torch.manual_seed(0)
+    reference = v2.RandomResizedCrop(224)
+    theirs = [tuple(reference.make_params([torch.zeros(3, height, width, dtype=torch.uint8)])[k]
+                    for k in ("top", "left", "height", "width")) for _ in range(draws)]
+    for top, left, h, w in ours:
+        assert 0 <= top <= height - h and 0 <= left <= width - w and h > 0 and w > 0
+    for index, (mean_ours, mean_theirs) in enumerate(zip(torch.tensor(ours, dtype=torch.float64).mean(0),
+                                                         torch.tensor(theirs, dtype=torch.float64).mean(0))):
+        side = (height, width)[index % 2]  # top and height along the height, left and width along the width
+        assert abs(mean_ours - mean_theirs) < 0.02 * side, (index, mean_ours, mean_theirs)
+    def area(boxes):  # the share of the image a crop takes: 8 % to 100 %, drawn uniformly, then kept if it fits
+        return torch.tensor([h * w / (height * width) for _, _, h, w in boxes])
+    assert area(ours).min() > 0.075 and area(ours).max() <= 1 and abs(area(ours).mean() - area(theirs).mean()) < 0.02
+    for shape in ((10, 1000), (1000, 10)):  # no try fits: torchvision's centre crop, in its 3/4 to 4/3 ratio
+        expected = reference.make_params([torch.zeros(3, *shape, dtype=torch.uint8)])
+        assert resized_crop_box(*shape, random.Random(0)) == tuple(
+            expected[k] for k in ("top", "left", "height", "width"))
 
 
 # ----------------------------------------------------------------------------------------------
