@@ -2,8 +2,9 @@
 scripts' workers path (common.images) against torchvision's ImageFolder with PIL transforms, on an
 image folder of JPEGs this module writes, with the same DataLoader workers and batch size.
 
-    ours          worker_loader over the folder's FileSplit (decode_image, transforms.v2
-                  RandomResizedCrop + flip per sample, uint8 batches), then on the device the
+    ours          worker_loader over the folder's FileSplit (decode_image, a random-resized crop
+                  and flip per sample with transforms.v2.functional, uint8 channels_last
+                  batches), then on the device the
                   uint8 -> float normalisation of BatchTransform(augment=False)
     torchvision   ImageFolder, PIL RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize,
                   float batches copied to the device

@@ -39,8 +39,7 @@ class BatchTransform:
         """
         if not self.augment:
             return self.normalize(images)
-        # hash() of a tuple of ints is the same in every process and run (no hash randomisation).
-        generator = torch.Generator(images.device).manual_seed(hash(seed) & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
         return self.normalize(self.crop_and_flip(images, generator))
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:
@@ -69,6 +68,12 @@ class BatchTransform:
         batch = torch.arange(b, device=device).view(b, 1, 1, 1)
         channel = torch.arange(c, device=device).view(1, c, 1, 1)
         return padded[batch, channel, rows.view(b, 1, h, 1), cols.view(b, 1, 1, w)]
+
+
+def sample_seed(*key: int) -> int:
+    """A 63-bit seed from a tuple of ints, e.g. (run seed, step) or (run seed, epoch, index)."""
+    # hash() of a tuple of ints is the same in every process and run (no hash randomisation).
+    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def channel_stats(images: torch.Tensor, chunk_bytes: int = 2**27):

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
+from common.batches import sample_seed
 from common.errors import first_line
 
 # Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
@@ -117,11 +118,6 @@ def resized_crop_box(height: int, width: int, rng: random.Random) -> tuple[int, 
     elif width / height > CROP_RATIO[1]:
         w = round(height * CROP_RATIO[1])
     return (height - h) // 2, (width - w) // 2, h, w
-
-
-def sample_seed(*key: int) -> int:
-    # hash() of a tuple of ints is the same in every process and run (no hash randomisation).
-    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class SampleImages(Dataset):
