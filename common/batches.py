@@ -76,16 +76,27 @@ def sample_seed(*key: int) -> int:
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def channel_stats(images: torch.Tensor, chunk_bytes: int = 2**27):
-    """Per-channel mean and standard deviation of uint8 images (N, C, H, W), in the 0..255 scale."""
-    total = torch.zeros(images.shape[1], dtype=torch.float64)
-    total_sq = torch.zeros_like(total)
-    chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
-    for start in range(0, len(images), chunk):  # 128 MB of float64 at a time, whatever the image size
-        part = images[start:start + chunk].to(torch.float64)
-        total += part.sum(dim=(0, 2, 3))
-        total_sq += part.square().sum(dim=(0, 2, 3))
-    count = images.numel() / images.shape[1]
+def channel_stats(images, chunk_bytes: int = 2**27):
+    """Per-channel mean and standard deviation of uint8 images, in the 0..255 scale.
+
+    ``images``: one (N, C, H, W) tensor, summed 128 MB of float64 at a time whatever the image size,
+    or an iterable of (C, H, W) images or (N, C, H, W) batches, summed as they come, so that none
+    has to be held beside the others. Raises ValueError when there is no image.
+    """
+    parts = images
+    if isinstance(images, torch.Tensor):
+        chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
+        parts = images.split(chunk)
+    total = total_sq = 0
+    count = 0
+    for part in parts:
+        part = part.to(torch.float64)
+        dims = (0, 2, 3) if part.ndim == 4 else (1, 2)
+        total = total + part.sum(dim=dims)
+        total_sq = total_sq + part.square().sum(dim=dims)
+        count += part.numel() / part.shape[-3]
+    if not count:
+        raise ValueError("channel_stats: no images")
     mean = total / count
     std = (total_sq / count - mean.square()).clamp_min(1e-6).sqrt()
     return mean.float().tolist(), std.float().tolist()

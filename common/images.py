@@ -132,6 +132,7 @@ class SampleImages(Dataset):
                  skip_bad: bool = False):
         self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
         self.augment = train and augment
+        self.skipped = set()  # images this process (a worker, each its own) has warned of
 
     def __len__(self):
         return len(self.split)
@@ -155,8 +156,10 @@ class SampleImages(Dataset):
             except BadImage as e:
                 if not self.skip_bad:
                     raise
-                print(f"warning: {e}; skipped (--bad-images skip): the next readable image takes its place",
-                      file=sys.stderr, flush=True)
+                if at not in self.skipped:  # once, not every epoch
+                    self.skipped.add(at)
+                    print(f"warning: {e}; skipped (--bad-images skip): the next readable image takes its place",
+                          file=sys.stderr, flush=True)
         raise BadImage(f"no image of {self.split.name(index)}'s split can be decoded")
 
 

@@ -233,17 +233,22 @@ def data_budget(device: torch.device, budget_gb: float | None) -> tuple[float, s
 
 def sample_stats(split, size: int, sample: int = STATS_SAMPLE) -> tuple[list[float], list[float]]:
     """Per-channel mean and std (0..255 scale) of the training images as evaluated at ``size``:
-    from all of them when they are held decoded, else from ``sample`` spread over the split."""
+    from all of them when they are held decoded, else from ``sample`` spread over the split; one
+    image in memory at a time."""
+    if isinstance(split, TensorSplit) and split.images.shape[-2:] == (size, size):
+        return channel_stats(split.images)  # as the device path computes them
     if isinstance(split, TensorSplit) or len(split) <= sample:
         picks = range(len(split))
     else:
         picks = torch.linspace(0, len(split) - 1, sample).round().long().tolist()
-    images = []
-    for i in picks:
-        try:
-            images.append(fit(decode(split.encoded(i), split.name(i)), size))
-        except BadImage:
-            continue  # the loader reports it, or skips it (--bad-images)
-    if not images:
-        raise UserError(f"no training image of {split.name(0)}'s split can be decoded; check the data")
-    return channel_stats(torch.stack(images))
+
+    def fitted():
+        for i in picks:
+            try:
+                yield fit(decode(split.encoded(i), split.name(i)), size)
+            except BadImage:
+                continue  # the loader reports it, or skips it (--bad-images)
+    try:
+        return channel_stats(fitted())
+    except ValueError:
+        raise UserError(f"no training image of {split.name(0)}'s split can be decoded; check the data") from None

@@ -59,6 +59,15 @@ def test_normalisation_uses_the_data_statistics():
     assert normalised.mean().abs() < 1e-3 and (normalised.std() - 1).abs() < 1e-2
 
 
+def test_channel_stats_of_images_one_at_a_time_equal_those_of_the_whole_tensor():
+    batch = images(64)
+    whole = torch.tensor(channel_stats(batch))  # (mean, std) x channels
+    assert torch.allclose(torch.tensor(channel_stats(iter(batch))), whole, atol=1e-5)
+    assert torch.allclose(torch.tensor(channel_stats(batch.split(10))), whole, atol=1e-5)
+    with pytest.raises(ValueError):
+        channel_stats(iter([]))
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["from NCHW", "from NHWC"])
 def test_normalisation_is_the_textbook_formula_in_the_wanted_layout(channels_last, layout):
