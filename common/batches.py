@@ -48,8 +48,9 @@ class BatchTransform:
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         if self.mean.device != images.device:  # once: a copy per batch would make the host wait for the GPU
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
-        # One float copy in the wanted layout, then in place: half the passes over the batch of
-        # (images.float() - mean) / std then .contiguous(), with the same values.
+        # One float tensor in the wanted layout, filled by a copy and two in-place passes, with the
+        # values of (images.float() - mean) / std: that allocated three or four (one more to change
+        # the layout), and on a CPU each fresh allocation of a batch costs its page faults again.
         out = torch.empty(images.shape, dtype=torch.float32, device=images.device, memory_format=self.memory_format)
         return out.copy_(images).sub_(self.mean).div_(self.std)
 
@@ -85,6 +86,8 @@ def channel_stats(images, chunk_bytes: int = 2**27):
     """
     parts = images
     if isinstance(images, torch.Tensor):
+        if images.ndim != 4:
+            raise ValueError(f"channel_stats: a tensor of images is (N, C, H, W), not {tuple(images.shape)}")
         chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
         parts = images.split(chunk)
     total = total_sq = 0

@@ -5,8 +5,9 @@ This one holds nothing decoded: each DataLoader worker reads a sample (a file, a
 memory-mapped Arrow table, or a row of a memory-mapped tensor), decodes it with
 torchvision.io.decode_image (libjpeg-turbo, libpng, libwebp; PIL only for what they cannot read,
 e.g. CMYK or 16-bit files some versions refuse) and crops it to the training resolution with
-torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N): a quarter of the
-bytes of float, normalised on the device by BatchTransform as on the other path.
+torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N) in channels_last
+memory: a quarter of the bytes of float, normalised on the device by BatchTransform as on the
+other path.
 
 Augmentation is drawn per sample from (seed, epoch, index), not from the worker's random state, so
 it does not depend on the number of workers, of processes or on where a resumed run restarts.
@@ -139,12 +140,12 @@ class SampleImages(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        image, index = self.read(index)
+        image, read = self.read(index)  # read != index: a bad image skipped, the next one in its place
         if self.augment:  # the same view whatever worker or process reads the sample, in every run
             image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)))
         else:
             image = fit(image, self.size)
-        return image, int(self.split.labels[index])
+        return image, int(self.split.labels[read])
 
     def read(self, index: int) -> tuple[torch.Tensor, int]:
         """The decoded image at ``index``; with skip_bad, an unreadable one is reported and the next

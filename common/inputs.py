@@ -235,8 +235,6 @@ def sample_stats(split, size: int, sample: int = STATS_SAMPLE) -> tuple[list[flo
     """Per-channel mean and std (0..255 scale) of the training images as evaluated at ``size``:
     from all of them when they are held decoded, else from ``sample`` spread over the split; one
     image in memory at a time."""
-    if isinstance(split, TensorSplit) and split.images.shape[-2:] == (size, size):
-        return channel_stats(split.images)  # as the device path computes them
     if isinstance(split, TensorSplit) or len(split) <= sample:
         picks = range(len(split))
     else:
@@ -249,6 +247,8 @@ def sample_stats(split, size: int, sample: int = STATS_SAMPLE) -> tuple[list[flo
             except BadImage:
                 continue  # the loader reports it, or skips it (--bad-images)
     try:
+        if isinstance(split, TensorSplit) and split.images.shape[-2:] == (size, size):
+            return channel_stats(split.images)  # as the device path computes them
         return channel_stats(fitted())
     except ValueError:
         raise UserError(f"no training image of {split.name(0)}'s split can be decoded; check the data") from None

@@ -64,8 +64,9 @@ def test_channel_stats_of_images_one_at_a_time_equal_those_of_the_whole_tensor()
     whole = torch.tensor(channel_stats(batch))  # (mean, std) x channels
     assert torch.allclose(torch.tensor(channel_stats(iter(batch))), whole, atol=1e-5)
     assert torch.allclose(torch.tensor(channel_stats(batch.split(10))), whole, atol=1e-5)
-    with pytest.raises(ValueError):
-        channel_stats(iter([]))
+    for wrong in (iter([]), batch[0]):  # no image; one image where a batch is expected
+        with pytest.raises(ValueError):
+            channel_stats(wrong)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])

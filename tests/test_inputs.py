@@ -44,7 +44,7 @@ from common import data as data_module
 from common.cli import build_parser, check_args
 from common.data import ImageData, load_image_data, open_source
 from common.errors import UserError
-from common.images import SampleImages, decode, resized_crop_box, worker_loader
+from common.images import SampleImages, augment, decode, resized_crop_box, worker_loader
 from common.inputs import load_inputs
 
 CLASSES = ["cat", "dog", "frog"]
@@ -378,27 +378,59 @@ def test_each_sample_has_its_own_crop_per_epoch(sources, size):
 
 
 def test_random_resized_crop_boxes_are_drawn_as_torchvisions():
-    """resized_crop_box against torchvision's own RandomResizedCrop: the same ranges, the same
-    distribution over many draws, and the same centre crop when no try fits."""
+    """resized_crop_box against torchvision's own RandomResizedCrop over 4,000 draws each: every
+    box inside the image, the same distribution of heights, widths, aspect ratios (log-uniform: a
+    uniform draw moves their quantiles by 0.04) and positions, and the same centre crop when no
+    try fits."""
     height, width, draws = 300, 450, 4000
-    ours = [resized_crop_box(height, width, random.Random(k)) for k in range(draws)]
+    ours = torch.tensor([resized_crop_box(height, width, random.Random(k)) for k in range(draws)], dtype=torch.float64)
     torch.manual_seed(0)
-    reference = v2.RandomResizedCrop(224)
-    theirs = [tuple(reference.make_params([torch.zeros(3, height, width, dtype=torch.uint8)])[k]
-                    for k in ("top", "left", "height", "width")) for _ in range(draws)]
-    for top, left, h, w in ours:
-        assert 0 <= top <= height - h and 0 <= left <= width - w and h > 0 and w > 0
-    for index, (mean_ours, mean_theirs) in enumerate(zip(torch.tensor(ours, dtype=torch.float64).mean(0),
-                                                         torch.tensor(theirs, dtype=torch.float64).mean(0))):
-        side = (height, width)[index % 2]  # top and height along the height, left and width along the width
-        assert abs(mean_ours - mean_theirs) < 0.02 * side, (index, mean_ours, mean_theirs)
-    def area(boxes):  # the share of the image a crop takes: 8 % to 100 %, drawn uniformly, then kept if it fits
-        return torch.tensor([h * w / (height * width) for _, _, h, w in boxes])
-    assert area(ours).min() > 0.075 and area(ours).max() <= 1 and abs(area(ours).mean() - area(theirs).mean()) < 0.02
+    reference, image = v2.RandomResizedCrop(224), torch.zeros(3, height, width, dtype=torch.uint8)
+    theirs = torch.tensor([[box[k] for k in ("top", "left", "height", "width")]
+                           for box in (reference.make_params([image]) for _ in range(draws))], dtype=torch.float64)
+    top, left, h, w = ours.T
+    assert (top >= 0).all() and (top + h <= height).all() and (left >= 0).all() and (left + w <= width).all()
+
+    def quantiles(boxes):  # of top, left, height, width as shares of the image's sides, and log(w / h)
+        top, left, h, w = boxes.T
+        shares = (top / height, left / width, h / height, w / width, (w / h).log())
+        return torch.stack([torch.quantile(s, torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=torch.float64))
+                            for s in shares])
+    gap = (quantiles(ours) - quantiles(theirs)).abs()
+    assert gap.max() < 0.02, gap
     for shape in ((10, 1000), (1000, 10)):  # no try fits: torchvision's centre crop, in its 3/4 to 4/3 ratio
         expected = reference.make_params([torch.zeros(3, *shape, dtype=torch.uint8)])
         assert resized_crop_box(*shape, random.Random(0)) == tuple(
             expected[k] for k in ("top", "left", "height", "width"))
+
+
+def test_augment_crops_and_flips_the_image_it_is_given():
+    """The views are crops of the image itself: with padding, every one of the 81 offsets of a
+    4-pixel pad and both flips occur, and nothing else; a random-resized crop is the box the same
+    random numbers draw, resized."""
+    image = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    padded = v2.functional.pad(image, [4])
+    views = {(top, left, flip): v2.functional.horizontal_flip(view) if flip else view
+             for top in range(9) for left in range(9) for flip in (False, True)
+             for view in [padded[:, top:top + 8, left:left + 8]]}
+    seen = set()
+    for k in range(2000):
+        out = augment(image, 8, random.Random(k))
+        match = [key for key, view in views.items() if torch.equal(out, view)]
+        assert len(match) == 1, f"seed {k}: not one of the padded image's crops"
+        seen.add(match[0])
+    assert seen == set(views)
+    large = torch.randint(0, 256, (3, 90, 120), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    flips = set()
+    for k in range(20):
+        rng = random.Random(k)
+        box = resized_crop_box(90, 120, rng)
+        flip = rng.random() < 0.5
+        expected = v2.functional.resized_crop(large, *box, [72, 72], antialias=True)
+        assert torch.equal(augment(large, 72, random.Random(k)),
+                           v2.functional.horizontal_flip(expected) if flip else expected)
+        flips.add(flip)
+    assert flips == {False, True}
 
 
 # ----------------------------------------------------------------------------------------------
