@@ -1,9 +1,14 @@
 """What the tests share: running the scripts as a user does, and reading what they leave."""
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -28,11 +33,82 @@ def user_env(**extra) -> dict:
 def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), check=True, timeout=300):
     """Run scripts/<script> with ``launcher`` (python, torchrun, accelerate launch ...)."""
     env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), **(env_extra or {}))
-    done = subprocess.run([*launcher, str(ROOT / "scripts" / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    done = execute([*launcher, str(ROOT / "scripts" / script), *map(str, args)], cwd=cwd, env=env, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
+
+
+def execute(command, cwd, env, timeout) -> subprocess.CompletedProcess:
+    """subprocess.run(command) with its output captured, stdin closed; ``python script.py ...`` forked
+    from the warm Zygote instead of started cold."""
+    command = [str(part) for part in command]
+    if len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py") and Zygote.can_run(env):
+        return Zygote.run(command, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+class Zygote:
+    """tests/zygote.py: `python script.py` runs forked from a process that has imported torch,
+    torchvision and accelerate, so each run saves their ~7 s of imports. One zygote serves one run
+    at a time; runs started together (from threads) each take an idle one or start another."""
+
+    idle: list["Zygote"] = []
+    lock = threading.Lock()
+    # Variables read while python starts or torch and accelerate are imported (TORCH_LOGS,
+    # OMP_NUM_THREADS, PYTHONHASHSEED ...): a run that sets them differently starts cold.
+    IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NCCL", "ACCELERATE", "LD_")
+
+    @classmethod
+    def can_run(cls, env: dict) -> bool:
+        base = user_env()
+        names = {k for k in {*env, *base} if k.startswith(cls.IMPORT_TIME)}
+        return all(env.get(k) == base.get(k) for k in names)
+
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=user_env(), cwd=ROOT)
+        self.pending = b""
+        atexit.register(self.process.kill)
+
+    @classmethod
+    def run(cls, command, cwd, env, timeout) -> subprocess.CompletedProcess:
+        with cls.lock:
+            zygote = cls.idle.pop() if cls.idle else None
+        if zygote is None or zygote.process.poll() is not None:
+            zygote = cls()
+        done = zygote.fork(command, cwd, env, timeout)
+        with cls.lock:
+            cls.idle.append(zygote)
+        return done
+
+    def fork(self, command, cwd, env, timeout) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            pid = self.answer(None)["pid"]
+            try:
+                returncode = self.answer(timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self.answer(None)
+                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text()) from None
+            return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
+
+    def answer(self, timeout) -> dict:
+        """The zygote's next line, read unbuffered: its pid and status lines may come in one read."""
+        while b"\n" not in self.pending:
+            if not select.select([self.process.stdout], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("tests/zygote.py", timeout)
+            chunk = os.read(self.process.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"tests/zygote.py ended (status {self.process.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
 
 
 def make(target, *variables, cwd, dry_run=False, env_extra=None, timeout=600):

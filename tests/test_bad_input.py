@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, execute
 
 from common.checkpoint import save_checkpoint
 from common.cli import check_folder
@@ -144,8 +144,7 @@ def test_bad_input_gets_one_line(case, tmp_path):
     fill = {"tmp": str(tmp_path), "root": str(ROOT)}
     env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
     start = time.time()
-    done = subprocess.run([part.format(**fill) for part in command + arguments], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    done = execute([part.format(**fill) for part in command + arguments], cwd=tmp_path, env=env, timeout=120)
     elapsed = time.time() - start
     assert done.returncode != 0, done.stdout + done.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"

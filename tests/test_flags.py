@@ -6,6 +6,9 @@ one script, or given another default or help there, fails here.
 
 import argparse
 import importlib.util
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import ROOT
@@ -86,3 +89,16 @@ def test_a_flag_that_differs_is_caught(parsers, monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "add_argument", other_default)
     changed = flags(parser_of("train_amp", monkeypatch))
     assert changed["--dist-timeout"] != parsers["train_ddp"]["--dist-timeout"]
+
+
+def test_every_script_starts_in_a_fresh_python():
+    """The suite forks most plain `python script.py` runs from a warm process (tests/zygote.py) that
+    has imported torch, torchvision and accelerate already: each script must also start on its own,
+    importing everything it uses."""
+    def cold(script):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--help"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    scripts = [*TRAINING, "evaluate"]
+    with ThreadPoolExecutor(2) as pool:  # two at a time: each spends seconds importing
+        for script, done in zip(scripts, pool.map(cold, scripts)):
+            assert done.returncode == 0 and done.stdout.startswith("usage: "), f"{script}:\n{done.stderr}"
