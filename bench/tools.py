@@ -224,7 +224,8 @@ class PlainLoop:
     The scripts' model, optimizer (common.optim) and batch size, on batches that are already
     normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
     as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does,
-    ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32).
+    ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32); cuDNN searches its convolution
+    algorithms (cudnn.benchmark) as in the scripts.
     """
 
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
@@ -234,6 +235,7 @@ class PlainLoop:
         transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
         self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in
                         zip(data.train_images.split(batch_size), data.train_labels.split(batch_size))]
+        torch.backends.cudnn.benchmark = True  # cuDNN's algorithm search, as the scripts' set_numerics
         torch.manual_seed(0)
         model = build_model(model_name, num_classes=len(data.classes)).to(device)
         if channels_last:

@@ -8,15 +8,32 @@ pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores).
 """
 
 import dataclasses
+import math
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.errors import UserError
 
+# Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
+# ones with ImageNet's (random-resized crop, flip). The same on both input paths.
+PAD_CROP_MAX_SIZE = 64
+CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop defaults
+CROP_TRIES = 10  # as RandomResizedCrop
+
+
+def crop_mode(size: int) -> str:
+    """'pad' (CIFAR: pad by 4, random crop, flip) for small images, else 'resized' (ImageNet:
+    random-resized crop, flip)."""
+    return "pad" if size <= PAD_CROP_MAX_SIZE else "resized"
+
 
 class BatchTransform:
-    """Random crop with zero padding, random horizontal flip, then per-channel normalisation.
+    """Random crop and horizontal flip of a whole batch, then per-channel normalisation.
+
+    The crop is crop_mode's for the batch's image size: up to 64 px zero padding by 4 and a random
+    crop (CIFAR), above a random-resized crop as torchvision's RandomResizedCrop draws it, of the
+    image as held (already resized to the training size), scaled back up to that size.
 
     ``mean`` and ``std`` are per-channel statistics of the training images in the 0..255 scale
     (see ``channel_stats``), so any dataset gets its own normalisation.
@@ -40,6 +57,8 @@ class BatchTransform:
         if not self.augment:
             return self.normalize(images)
         generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
+        if crop_mode(max(images.shape[-2:])) == "resized":
+            return self.normalize(self.resized_crop_and_flip(images, generator))
         return self.normalize(self.crop_and_flip(images, generator))
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:
@@ -69,6 +88,55 @@ class BatchTransform:
         batch = torch.arange(b, device=device).view(b, 1, 1, 1)
         channel = torch.arange(c, device=device).view(1, c, 1, 1)
         return padded[batch, channel, rows.view(b, 1, h, 1), cols.view(b, 1, 1, w)]
+
+    def resized_crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A random-resized crop of each image, flipped half the time, back at the images' size:
+        float (B, C, H, W). One grid_sample for the batch, bilinear as torchvision's resize (a crop
+        is never larger than the image, so it is only ever enlarged and needs no antialiasing), with
+        the values of torchvision's resized_crop of the same box in float."""
+        b, _, h, w = images.shape
+        top, left, height, width = resized_crop_boxes(b, h, w, generator)
+        flipped = torch.rand(b, device=images.device, generator=generator) < 0.5
+        # Output pixel centre j of H or W maps to source pixel centre left + (j + 0.5) * width / W - 0.5,
+        # as torch's bilinear resize with align_corners=False; in grid_sample's [-1, 1] coordinates:
+        # x_source = (width / W) * (x_out + 1) + 2 * left / W - 1, with x_out negated for a flip.
+        theta = torch.zeros(b, 2, 3, device=images.device)
+        theta[:, 0, 0] = torch.where(flipped, -width / w, width / w)
+        theta[:, 0, 2] = width / w + 2 * left / w - 1
+        theta[:, 1, 1] = height / h
+        theta[:, 1, 2] = height / h + 2 * top / h - 1
+        grid = torch.nn.functional.affine_grid(theta, [b, 1, h, w], align_corners=False)
+        # Near its edges the resize reads the crop's edge pixels, not the pixels beyond it: positions
+        # held between the crop's first and last pixel centres.
+        for axis, start, length, side in ((0, left, width, w), (1, top, height, h)):
+            low, high = (2 * (start + 0.5) / side - 1), (2 * (start + length - 0.5) / side - 1)
+            grid[..., axis] = grid[..., axis].clamp(low.view(b, 1, 1), high.view(b, 1, 1))
+        return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
+                                               align_corners=False)
+
+
+def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Generator):
+    """(top, left, crop height, crop width), each float (count,) on the generator's device: the boxes
+    torchvision's RandomResizedCrop draws with its defaults, for ``count`` images of height x width:
+    8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform), the first of 10 tries that
+    fits, else the largest centre crop within those ratios."""
+    device = generator.device
+    uniform = torch.rand(count, CROP_TRIES, 2, device=device, generator=generator, dtype=torch.float64)
+    area = height * width * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * uniform[..., 0])
+    low, high = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    aspect = torch.exp(low + (high - low) * uniform[..., 1])
+    h, w = (area / aspect).sqrt().round(), (area * aspect).sqrt().round()
+    fits = (h > 0) & (h <= height) & (w > 0) & (w <= width)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 when none)
+    h, w, found = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(dim=1)
+    # None fits: the whole image, cut to the nearest aspect ratio within the range.
+    centre_h = round(width / CROP_RATIO[0]) if width / height < CROP_RATIO[0] else height
+    centre_w = round(height * CROP_RATIO[1]) if width / height > CROP_RATIO[1] else width
+    h, w = torch.where(found, h, float(centre_h)), torch.where(found, w, float(centre_w))
+    place = torch.rand(count, 2, device=device, generator=generator, dtype=torch.float64)
+    top = torch.where(found, (place[:, 0] * (height - h + 1)).floor(), (height - h) // 2)
+    left = torch.where(found, (place[:, 1] * (width - w + 1)).floor(), (width - w) // 2)
+    return top.float(), left.float(), h.float(), w.float()
 
 
 def sample_seed(*key: int) -> int:

@@ -29,14 +29,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from common.batches import sample_seed
+from common.batches import CROP_RATIO, CROP_SCALE, crop_mode, sample_seed
 from common.errors import first_line
 
-# Images at most this size train with CIFAR's augmentation (pad by 4, random crop, flip); larger
-# ones with ImageNet's (random-resized crop, flip).
-PAD_CROP_MAX_SIZE = 64
 PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
-CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop defaults
 
 
 class BadImage(Exception):
@@ -81,12 +77,6 @@ def fit(image: torch.Tensor, size: int) -> torch.Tensor:
         return image
     image = v2.functional.resize(image, size, antialias=True)
     return v2.functional.center_crop(image, [size, size])
-
-
-def crop_mode(size: int) -> str:
-    """'pad' (CIFAR: pad by 4, random crop, flip) for small images, else 'resized' (ImageNet:
-    random-resized crop, flip)."""
-    return "pad" if size <= PAD_CROP_MAX_SIZE else "resized"
 
 
 def augment(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:

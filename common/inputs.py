@@ -22,7 +22,7 @@ import psutil
 import torch
 from accelerate.utils import broadcast_object_list
 
-from common.batches import DEVICE_DATA_SHARE, BatchTransform, channel_stats, on_device, tensor_loader
+from common.batches import DEVICE_DATA_SHARE, BatchTransform, channel_stats, crop_mode, on_device, tensor_loader
 from common.data import (
     DEFAULT_IMAGE_SIZE,
     TensorSplit,
@@ -33,7 +33,7 @@ from common.data import (
     open_source,
 )
 from common.errors import UserError
-from common.images import BadImage, crop_mode, decode, default_workers, fit, report_bad_images, worker_loader
+from common.images import BadImage, decode, default_workers, fit, report_bad_images, worker_loader
 
 # Decoding keeps the whole dataset in the host memory of the process that decodes it (and in the
 # page cache after): at most this share of the memory available when the run starts.
@@ -62,7 +62,7 @@ class Inputs:
         return {"data": self.source, "classes": self.classes, "train_size": self.train_size,
                 "test_size": self.test_size, "image_size": [self.image_size, self.image_size],
                 "loader": self.loader, "loader_reason": self.why, "loader_workers": self.workers,
-                "train_crop": crop_mode(self.image_size) if self.loader == "workers" else "pad",
+                "train_crop": crop_mode(self.image_size),
                 "normalization": {"mean": self.transform.mean.flatten().tolist(),
                                   "std": self.transform.std.flatten().tolist()},
                 **({"eval_split": self.eval_split} if self.eval_split else {})}

@@ -159,7 +159,7 @@ def parse_args(argv=None):
                         help="images per epoch in the data check's loader comparison (default: %(default)s)")
     parser.add_argument("--loader-files", type=int, default=None,
                         help="JPEG files (300-500 px a side) per epoch in the loader check (default: 4 batches per "
-                             "loader worker, at least 256)")
+                             "loader worker, at least 1,024)")
     parser.add_argument("--matmul-size", type=int, default=4096,
                         help="side of the square matmuls that measure the peaks (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800,
@@ -395,7 +395,9 @@ def input_paths(checks, args, steps, gpus, device, workdir: Path) -> dict:
     synthetic images as 32 px PNGs (CIFAR's format), or its --dataset itself."""
     workers, batch = default_workers(), args.per_device_batch_size
     large_batch = batch if gpus else LARGE_CPU_BATCH
-    files = args.loader_files or max(256, 4 * workers * batch)  # 4 batches a worker: no worker idles long
+    # 4 batches a worker, so no worker idles long, and at least 1,024 files: the last batch's
+    # normalisation, which no decoding overlaps, must weigh in an epoch no more than it does in training.
+    files = args.loader_files or max(1024, 4 * workers * batch)
     if "workers" in checks:  # one epoch of the large row, with a batch to spare, as launch's synthetic data
         files = max(files, (WARMUP_STEPS + steps + 1) * large_batch)
     jpegs = workdir / "jpeg"

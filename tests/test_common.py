@@ -5,8 +5,9 @@ import os
 
 import pytest
 import torch
+from torchvision.transforms import v2
 
-from common.batches import BatchTransform, channel_stats, tensor_loader
+from common.batches import BatchTransform, channel_stats, resized_crop_boxes, sample_seed, tensor_loader
 from common.checkpoint import (
     atomic_write,
     check_resume_config,
@@ -48,6 +49,23 @@ def test_crop_and_flip_match_a_per_image_reference():
         assert candidates, "an output image is not a crop of its padded input"
         flips += all(flip for _, _, flip in candidates)
     assert 0 < flips < len(batch)  # some flipped, some not
+
+
+def test_large_images_get_torchvisions_random_resized_crop():
+    """Above 64 px the device path crops as the workers path does (ImageNet's random-resized crop,
+    not CIFAR's padding): each output is torchvision's resized_crop of the box the batch's
+    generator drew, flipped when it drew a flip, in float."""
+    batch = torch.randint(0, 256, (24, 3, 96, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    out = BatchTransform([0, 0, 0], [1, 1, 1], channels_last=True).train(batch, seed=(3, 7))
+    assert out.shape == batch.shape and out.is_contiguous(memory_format=torch.channels_last)
+    generator = torch.Generator().manual_seed(sample_seed(3, 7))  # as BatchTransform.train draws
+    boxes = torch.stack(resized_crop_boxes(len(batch), 96, 96, generator), dim=1).int().tolist()
+    flipped = (torch.rand(len(batch), generator=generator) < 0.5).tolist()
+    for image, result, box, flip in zip(batch, out, boxes, flipped):
+        expected = v2.functional.resized_crop(image.float(), *box, [96, 96], antialias=False)
+        expected = v2.functional.horizontal_flip(expected) if flip else expected
+        assert (result - expected).abs().max() < 0.01  # of 255
+    assert 0 < sum(flipped) < len(batch) and len({tuple(box) for box in boxes}) == len(batch)
 
 
 def test_normalisation_uses_the_data_statistics():

@@ -41,6 +41,7 @@ from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
 from common import data as data_module
+from common.batches import resized_crop_boxes
 from common.cli import build_parser, check_args
 from common.data import ImageData, load_image_data, open_source
 from common.errors import UserError
@@ -208,6 +209,7 @@ def test_default_image_size_is_the_shared_size_else_224(name, sources, accelerat
                      "--batch-size", 4)
     size = EXPECTED[name][3]
     assert data.image_size == size and f"{size}px" in data.line
+    assert data.config["train_crop"] == ("pad" if size <= 64 else "resized")  # on both loaders
     images, _ = next(iter(data.test_loader))
     assert images.shape == (4, 3, size, size)
 
@@ -377,19 +379,31 @@ def test_each_sample_has_its_own_crop_per_epoch(sources, size):
     assert torch.equal(evaluation[0][0], evaluation[0][0]) and evaluation[0][0].shape == (3, size, size)
 
 
-def test_random_resized_crop_boxes_are_drawn_as_torchvisions():
-    """resized_crop_box against torchvision's own RandomResizedCrop over 4,000 draws each: every
-    box inside the image, the same distribution of heights, widths, aspect ratios (log-uniform: a
-    uniform draw moves their quantiles by 0.04) and positions, and the same centre crop when no
-    try fits."""
+def boxes_per_image(draws: int, height: int, width: int) -> torch.Tensor:
+    """The workers path's boxes: one image at a time, each from its own random.Random."""
+    return torch.tensor([resized_crop_box(height, width, random.Random(k)) for k in range(draws)], dtype=torch.float64)
+
+
+def boxes_per_batch(draws: int, height: int, width: int) -> torch.Tensor:
+    """The device path's boxes: a whole batch at once, from one torch generator."""
+    return torch.stack(resized_crop_boxes(draws, height, width, torch.Generator().manual_seed(0)), 1).double()
+
+
+@pytest.mark.parametrize("draw", [boxes_per_image, boxes_per_batch], ids=["workers", "device"])
+def test_random_resized_crop_boxes_are_drawn_as_torchvisions(draw):
+    """Each path's random-resized crop boxes against torchvision's own RandomResizedCrop over 4,000
+    draws each: every box inside the image and of whole pixels, the same distribution of heights,
+    widths, aspect ratios (log-uniform: a uniform draw moves their quantiles by 0.04) and
+    positions, and the same centre crop when no try fits."""
     height, width, draws = 300, 450, 4000
-    ours = torch.tensor([resized_crop_box(height, width, random.Random(k)) for k in range(draws)], dtype=torch.float64)
+    ours = draw(draws, height, width)
     torch.manual_seed(0)
     reference, image = v2.RandomResizedCrop(224), torch.zeros(3, height, width, dtype=torch.uint8)
     theirs = torch.tensor([[box[k] for k in ("top", "left", "height", "width")]
                            for box in (reference.make_params([image]) for _ in range(draws))], dtype=torch.float64)
     top, left, h, w = ours.T
     assert (top >= 0).all() and (top + h <= height).all() and (left >= 0).all() and (left + w <= width).all()
+    assert torch.equal(ours, ours.round()) and (h >= 1).all() and (w >= 1).all()
 
     def quantiles(boxes):  # of top, left, height, width as shares of the image's sides, and log(w / h)
         top, left, h, w = boxes.T
@@ -400,8 +414,7 @@ def test_random_resized_crop_boxes_are_drawn_as_torchvisions():
     assert gap.max() < 0.02, gap
     for shape in ((10, 1000), (1000, 10)):  # no try fits: torchvision's centre crop, in its 3/4 to 4/3 ratio
         expected = reference.make_params([torch.zeros(3, *shape, dtype=torch.uint8)])
-        assert resized_crop_box(*shape, random.Random(0)) == tuple(
-            expected[k] for k in ("top", "left", "height", "width"))
+        assert draw(1, *shape)[0].tolist() == [expected[k] for k in ("top", "left", "height", "width")]
 
 
 def test_augment_crops_and_flips_the_image_it_is_given():
