@@ -22,14 +22,16 @@ demo: $(BIN)/.installed
 
 # DDP that survives a crashed worker: torchrun restarts the job (up to 3 times) and every process
 # resumes from the newest checkpoint by itself. The restart needs the c10d rendezvous, and the
-# launcher must not share its TCP store with it, or the restarted job hangs.
+# launcher must not share its TCP store with it, or the restarted job hangs. PET_STANDALONE=1 gives
+# each job a rendezvous of its own (a free port, a random id): without it every job on the machine
+# meets at localhost:29400, and a second `make ddp` there joins the first one's and fails.
 # Defaults: ResNet-20 on the synthetic dataset; real data and models through ARGS:
 # make ddp NPROC=4 ARGS="--dataset cifar10 --model resnet50" OUTPUT_DIR=runs/my-run
 NPROC ?= 2
 CONFIG ?= accelerate_configs/4gpu.yaml
 OUTPUT_DIR ?= runs/train_ddp-$(shell date +%Y%m%d-%H%M%S)
 ddp: $(BIN)/.installed
-	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/accelerate launch --config_file $(CONFIG) \
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PET_STANDALONE=1 $(BIN)/accelerate launch --config_file $(CONFIG) \
 		--num_processes $(NPROC) --max_restarts 3 --rdzv_backend c10d \
 		scripts/train_ddp.py --output-dir $(OUTPUT_DIR) --dataset synthetic --model resnet20 \
 		--checkpoint-every 50 $(ARGS)

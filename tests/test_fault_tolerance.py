@@ -29,6 +29,7 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic
 # The restart recipe that works: c10d rendezvous, and the launcher told not to share
 # its TCP store with the rendezvous; the default static rendezvous fails to restart.
 RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
+OWN_RENDEZVOUS = {"PET_STANDALONE": "1"}  # as `make ddp`: a free port and a random id for each job
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
 STOPPED = 75  # common.parallel.STOPPED_EXIT_CODE
 STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state is in (\S+); .*?\(exit code 75\)")
@@ -109,13 +110,28 @@ def single_reference(tmp_path_factory):
 
 def test_a_killed_worker_is_restarted_and_resumes_bit_for_bit(uninterrupted, tmp_path):
     out = tmp_path / "run"
-    process = subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", str(out)], cwd=ROOT,
+                               env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     kill_worker_after(process, out / "checkpoints" / "step_00000012", local_rank="1")
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output
     assert "resumed from" in output and "step_00000012" in output  # by itself: no --resume given
     assert_same(out, uninterrupted)
+
+
+def test_two_restartable_jobs_on_one_machine_keep_to_their_own_rendezvous(tmp_path):
+    """Two `make ddp`-style jobs at once on one machine both finish. Without PET_STANDALONE=1 both
+    launchers meet at the c10d default, localhost:29400, and the second fails with a
+    RendezvousConnectionError (seen by hand, 1 s apart)."""
+    jobs = {name: subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", tmp_path / name, "--max-steps", "2"],
+                                   cwd=ROOT, env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+            for name in ("first", "second")}
+    for name, job in jobs.items():
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, f"{name} job:\n{output}"
+        assert (tmp_path / name / "model.safetensors").exists()
 
 
 def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):
