@@ -97,20 +97,20 @@ class BatchTransform:
         b, _, h, w = images.shape
         top, left, height, width = resized_crop_boxes(b, h, w, generator)
         flipped = torch.rand(b, device=images.device, generator=generator) < 0.5
-        # Output pixel centre j of H or W maps to source pixel centre left + (j + 0.5) * width / W - 0.5,
-        # as torch's bilinear resize with align_corners=False; in grid_sample's [-1, 1] coordinates:
-        # x_source = (width / W) * (x_out + 1) + 2 * left / W - 1, with x_out negated for a flip.
-        theta = torch.zeros(b, 2, 3, device=images.device)
-        theta[:, 0, 0] = torch.where(flipped, -width / w, width / w)
-        theta[:, 0, 2] = width / w + 2 * left / w - 1
-        theta[:, 1, 1] = height / h
-        theta[:, 1, 2] = height / h + 2 * top / h - 1
-        grid = torch.nn.functional.affine_grid(theta, [b, 1, h, w], align_corners=False)
-        # Near its edges the resize reads the crop's edge pixels, not the pixels beyond it: positions
-        # held between the crop's first and last pixel centres.
-        for axis, start, length, side in ((0, left, width, w), (1, top, height, h)):
-            low, high = (2 * (start + 0.5) / side - 1), (2 * (start + length - 0.5) / side - 1)
-            grid[..., axis] = grid[..., axis].clamp(low.view(b, 1, 1), high.view(b, 1, 1))
+        # Output pixel centre j of W maps to source pixel centre left + (j + 0.5) * width / W - 0.5,
+        # as torch's bilinear resize with align_corners=False (and the same for rows); in
+        # grid_sample's [-1, 1] coordinates, x = (2 * position + 1) / W - 1. Built element-wise, not
+        # by affine_grid, whose matmul would run in TF32 on GPUs (the scripts' --tf32) and move the
+        # positions by up to a few hundredths of a pixel.
+        def positions(start, length, side, mirrored=None):
+            j = torch.arange(side, device=images.device, dtype=torch.float32) + 0.5
+            j = torch.where(mirrored.view(-1, 1), side - j, j) if mirrored is not None else j.expand(b, side)
+            source = start.view(-1, 1) + j * (length / side).view(-1, 1) - 0.5
+            # Near its edges the resize reads the crop's edge pixels, not those beyond it.
+            source = source.clamp(start.view(-1, 1), (start + length - 1).view(-1, 1))
+            return (2 * source + 1) / side - 1
+        x, y = positions(left, width, w, flipped), positions(top, height, h)
+        grid = torch.stack([x.view(b, 1, w).expand(b, h, w), y.view(b, h, 1).expand(b, h, w)], dim=-1)
         return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
                                                align_corners=False)
 
@@ -119,9 +119,9 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     """(top, left, crop height, crop width), each float (count,) on the generator's device: the boxes
     torchvision's RandomResizedCrop draws with its defaults, for ``count`` images of height x width:
     8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform), the first of 10 tries that
-    fits, else the largest centre crop within those ratios."""
+    fits, else the largest centre crop within those ratios. In float32, which every device has."""
     device = generator.device
-    uniform = torch.rand(count, CROP_TRIES, 2, device=device, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(count, CROP_TRIES, 2, device=device, generator=generator)
     area = height * width * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * uniform[..., 0])
     low, high = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
     aspect = torch.exp(low + (high - low) * uniform[..., 1])
@@ -133,10 +133,11 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     centre_h = round(width / CROP_RATIO[0]) if width / height < CROP_RATIO[0] else height
     centre_w = round(height * CROP_RATIO[1]) if width / height > CROP_RATIO[1] else width
     h, w = torch.where(found, h, float(centre_h)), torch.where(found, w, float(centre_w))
-    place = torch.rand(count, 2, device=device, generator=generator, dtype=torch.float64)
-    top = torch.where(found, (place[:, 0] * (height - h + 1)).floor(), (height - h) // 2)
-    left = torch.where(found, (place[:, 1] * (width - w + 1)).floor(), (width - w) // 2)
-    return top.float(), left.float(), h.float(), w.float()
+    place = torch.rand(count, 2, device=device, generator=generator)
+    # 0 to height - h, each as likely (min: a draw just under 1 may round up to the next integer)
+    top = torch.where(found, torch.minimum((place[:, 0] * (height - h + 1)).floor(), height - h), (height - h) // 2)
+    left = torch.where(found, torch.minimum((place[:, 1] * (width - w + 1)).floor(), width - w), (width - w) // 2)
+    return top, left, h, w
 
 
 def sample_seed(*key: int) -> int:

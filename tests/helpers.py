@@ -56,32 +56,49 @@ class Zygote:
 
     idle: list["Zygote"] = []
     lock = threading.Lock()
-    # Variables read while python starts or torch and accelerate are imported (TORCH_LOGS,
-    # OMP_NUM_THREADS, PYTHONHASHSEED ...): a run that sets them differently starts cold.
-    IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NCCL", "ACCELERATE", "LD_")
+    # Variables read while python starts or torch, torchvision, accelerate and what they import
+    # are imported (TORCH_LOGS, OMP_NUM_THREADS, PYTHONHASHSEED, TMPDIR, accelerate's config path
+    # from HF_HOME ...): a run that sets them otherwise than the zygote had them starts cold.
+    IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA", "NCCL", "ACCELERATE",
+                   "LD_", "TRITON", "TQDM_", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "HOME", "LANG", "LC_")
 
     @classmethod
     def can_run(cls, env: dict) -> bool:
-        base = user_env()
-        names = {k for k in {*env, *base} if k.startswith(cls.IMPORT_TIME)}
-        return all(env.get(k) == base.get(k) for k in names)
+        return cls.same_at_import(env, user_env())
+
+    @classmethod
+    def same_at_import(cls, env: dict, other: dict) -> bool:
+        names = {k for k in {*env, *other} if k.startswith(cls.IMPORT_TIME)}
+        return all(env.get(k) == other.get(k) for k in names)
 
     def __init__(self):
+        self.env = user_env()
         self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=user_env(), cwd=ROOT)
+                                        stdout=subprocess.PIPE, env=self.env, cwd=ROOT)
         self.pending = b""
         atexit.register(self.process.kill)
 
     @classmethod
     def run(cls, command, cwd, env, timeout) -> subprocess.CompletedProcess:
         with cls.lock:
-            zygote = cls.idle.pop() if cls.idle else None
+            zygote = next((z for z in cls.idle if cls.same_at_import(env, z.env)), None)
+            if zygote is not None:
+                cls.idle.remove(zygote)
         if zygote is None or zygote.process.poll() is not None:
             zygote = cls()
-        done = zygote.fork(command, cwd, env, timeout)
-        with cls.lock:
-            cls.idle.append(zygote)
-        return done
+        in_step = False  # whether the zygote has answered all it was asked, and may serve again
+        try:
+            done, in_step = zygote.fork(command, cwd, env, timeout), True
+            return done
+        except subprocess.TimeoutExpired:
+            in_step = True  # fork killed the run and read its status
+            raise
+        finally:
+            if in_step:
+                with cls.lock:
+                    cls.idle.append(zygote)
+            else:
+                zygote.process.kill()
 
     def fork(self, command, cwd, env, timeout) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as folder:
@@ -93,10 +110,20 @@ class Zygote:
             try:
                 returncode = self.answer(timeout)["returncode"]
             except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
+                self.kill(pid)
                 self.answer(None)
-                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text()) from None
-            return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
+                raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+            except BaseException:  # the test was interrupted: the run must not outlive it
+                self.kill(pid)
+                raise
+            return subprocess.CompletedProcess(command, returncode, read(out), read(err))
+
+    @staticmethod
+    def kill(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
 
     def answer(self, timeout) -> dict:
         """The zygote's next line, read unbuffered: its pid and status lines may come in one read."""
@@ -109,6 +136,11 @@ class Zygote:
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
+
+
+def read(path: Path) -> str:
+    """A run's captured output; empty when the run never opened it (e.g. its folder did not exist)."""
+    return path.read_text() if path.exists() else ""
 
 
 def make(target, *variables, cwd, dry_run=False, env_extra=None, timeout=600):

@@ -10,9 +10,12 @@ sys.excepthook (the scripts install their own) with status 1, an uncaught Keyboa
 it by SIGINT.
 
 The Hub, datasets and wandb are not imported here, so a child reads their settings from its own
-environment as a fresh process would. What python, torch and accelerate read while starting
-(PYTHON*, TORCH_LOGS, OMP_NUM_THREADS ...) is the zygote's: helpers.execute starts a run that sets
-those differently cold, as it does runs under a launcher (torchrun, accelerate launch).
+environment as a fresh process would. What a fork cannot give a child is its own string hash
+seed (drawn once, by the zygote), so set and dict orders that hang on it repeat from run to run;
+the scripts' random numbers do not (common.batches.sample_seed hashes ints, which is not salted).
+What python, torch and accelerate read while starting (PYTHON*, TORCH_LOGS, OMP_NUM_THREADS,
+TMPDIR ...) is the zygote's: helpers.execute starts a run that sets those differently cold, as it
+does runs under a launcher (torchrun, accelerate launch).
 
 Protocol: one JSON request a line on stdin ({argv, env, cwd, stdout, stderr}); for each, a line
 {"pid": N} when the child starts and a line {"returncode": N} when it ends, as subprocess reports it.
@@ -24,7 +27,7 @@ import os
 import runpy
 import signal
 import sys
-import traceback
+import threading
 
 import accelerate  # noqa: F401
 import torch  # noqa: F401
@@ -43,18 +46,21 @@ def run_script(request: dict) -> None:
             os.dup2(opened, fd)
             os.close(opened)
         sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+            sys.modules["numpy"].random.seed()
         try:
             runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as e:
             code = exit_code(e.code)
         except KeyboardInterrupt:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())
             code = -signal.SIGINT
         except BaseException:
             sys.excepthook(*sys.exc_info())
             code = 1
+        threading._shutdown()  # as python at exit: wait for non-daemon threads (thread pools' work)
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
