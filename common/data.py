@@ -67,6 +67,9 @@ class ImageData:
     test_labels: torch.Tensor  # int64, (M,)
     classes: list[str]  # class names, index = label
     source: str  # one human-readable line: where the data came from and where it is cached
+    # Training images left out as unreadable (--bad-images skip): (S, 2) rows of [index in the
+    # source's training split, label], so that --val-fraction carves what the workers path carves.
+    skipped: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +233,7 @@ def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False)
         return None
     with FileLock(f"{path}.lock"):  # not while a first run is still writing it
         try:
-            return ImageData(**torch.load(path, weights_only=True, mmap=True))
+            return _saved(path)
         except Exception:  # unreadable: load_image_data says so and rebuilds it
             return None
 
@@ -295,11 +298,26 @@ def carve(source: ImageSource, fraction: float, seed: int) -> ImageSource:
 def carve_decoded(data: ImageData, fraction: float | None, seed: int) -> ImageData:
     if not fraction:
         return data
-    train, evaluation = stratified_split(data.train_labels, fraction, seed)
+    train, evaluation = carved_positions(data, fraction, seed)
     where = data.source.split("; evaluated on")[0]
     return ImageData(data.train_images[train], data.train_labels[train], data.train_images[evaluation],
                      data.train_labels[evaluation], data.classes,
                      f"{where}; evaluated on {fraction:g} of train (--val-fraction, seed {seed})")
+
+
+def carved_positions(data: ImageData, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """stratified_split over the training split as its source lists it, as ``carve`` draws it for
+    the workers path, then as positions among the images decoded: an image skipped as unreadable
+    is missing from its side of the split, and the rest are the same images on both paths."""
+    if not len(data.skipped):
+        return stratified_split(data.train_labels, fraction, seed)
+    index, skipped_labels = data.skipped.T
+    kept = torch.ones(len(data.train_labels) + len(index), dtype=torch.bool)
+    kept[index] = False
+    labels = torch.empty(len(kept), dtype=torch.int64)
+    labels[kept], labels[index] = data.train_labels, skipped_labels
+    position = kept.cumsum(0) - 1  # of each source image among the decoded ones
+    return tuple(position[chosen[kept[chosen]]] for chosen in stratified_split(labels, fraction, seed))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,21 +349,25 @@ def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = 
         size = DEFAULT_IMAGE_SIZE
         log.warning("the images of %s differ in size: decoding them at %dx%d (set --image-size)",
                     source.source, size, size)
-    out = []
+    out, skipped = [], []
     for split in (source.train, source.test):
         if split is None:  # to be carved from train (--val-fraction)
             out += [torch.empty(0, 3, size, size, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)]
             continue
-        images, labels = decode_split(split, size, skip_bad)
+        images, labels, left_out = decode_split(split, size, skip_bad)
         out += [images, labels]
-    return ImageData(*out, classes=source.classes, source=source.source)
+        skipped.append(left_out)
+    train_skipped = torch.stack([skipped[0], source.train.labels[skipped[0]]], dim=1)
+    return ImageData(*out, classes=source.classes, source=source.source, skipped=train_skipped)
 
 
-def decode_split(split, size: int, skip_bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One split as uint8 (N, 3, size, size) and its labels. One thread on purpose: a 32x32 PNG
-    decodes in about 50 us, mostly under the GIL, and a thread pool was no faster."""
+def decode_split(split, size: int, skip_bad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One split as uint8 (N, 3, size, size), its labels and the indices of the images left out as
+    unreadable (with skip_bad). One thread on purpose: a 32x32 PNG decodes in about 50 us, mostly
+    under the GIL, and a thread pool was no faster."""
+    none = torch.empty(0, dtype=torch.int64)
     if isinstance(split, TensorSplit):
-        return _fit_all(split.images, size), split.labels
+        return _fit_all(split.images, size), split.labels, none
     items = split.all_encoded() if isinstance(split, ArrowSplit) else (split.encoded(i) for i in range(len(split)))
     batch = torch.empty(len(split), 3, size, size, dtype=torch.uint8)
     kept = torch.ones(len(split), dtype=torch.bool)
@@ -359,8 +381,8 @@ def decode_split(split, size: int, skip_bad: bool = False) -> tuple[torch.Tensor
             log.warning("%s; skipped (--bad-images skip)", e)
             kept[i] = False
     if kept.all():
-        return batch, split.labels
-    return batch[kept].contiguous(), split.labels[kept]
+        return batch, split.labels, none
+    return batch[kept].contiguous(), split.labels[kept], (~kept).nonzero().flatten()
 
 
 def _fit_all(images: torch.Tensor, size: int, chunk: int = 1024) -> torch.Tensor:
@@ -387,8 +409,7 @@ def _load_or_build(path: Path, build) -> ImageData:
         try:
             # Mapped, not read: pages come from the file as they are used, and a training script
             # that moves the data to its GPU keeps no host copy.
-            saved = torch.load(path, weights_only=True, mmap=True)
-            return ImageData(**saved)
+            return _saved(path)
         except Exception as e:  # a truncated or foreign file only costs a rebuild
             log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path, first_line(e))
     data = build()
@@ -400,6 +421,13 @@ def _load_or_build(path: Path, build) -> ImageData:
         log.warning("could not write cache file %s (%s); the next run decodes again", path, first_line(e))
         return data
     return cached
+
+
+def _saved(path: Path) -> ImageData:
+    saved = torch.load(path, weights_only=True, mmap=True)
+    if path.stem.endswith("-skip") and "skipped" not in saved:
+        raise ValueError("written before the images skipped were recorded")  # its --val-fraction would differ
+    return ImageData(**saved)
 
 
 def _files_key(root: Path, files: list[Path]) -> str:

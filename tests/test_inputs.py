@@ -509,6 +509,33 @@ def test_bad_images_skip_trains_without_it(bad_runs):
     assert "Traceback" not in run.stderr
 
 
+def test_val_fraction_carves_alike_on_both_loaders_when_a_bad_image_is_skipped(accelerator, tmp_path):
+    """With --bad-images skip the device path leaves the unreadable image out of the decoded
+    training split, and the workers path puts the next readable image in its place. Either way
+    --val-fraction holds out the same images (drawn over the source's list, as evaluate.py draws
+    them again), less the bad one on the device path, whichever side it falls on."""
+    folder, broken = bad_folder(tmp_path / "images")
+    sides = set()
+    for seed in range(6):
+        flags = ["--data-dir", folder, "--cache-dir", tmp_path / "cache", "--image-size", 32, "--batch-size", 2,
+                 "--val-fraction", 0.4, "--seed", seed, "--bad-images", "skip"]
+        device = inputs_of(accelerator, *flags, "--loader", "device")
+        workers = inputs_of(accelerator, *flags, "--loader", "workers", "--workers", 0)
+        held = open_source(data_dir=str(folder), val_fraction=0.4, seed=seed).test
+        names = [held.name(i) for i in range(len(held))]
+        in_held = str(broken) in names
+        sides.add(in_held)
+        assert (device.train_size + (not in_held), device.test_size + in_held) == (workers.train_size,
+                                                                                    workers.test_size)
+        (device_images, device_labels), (worker_images, worker_labels) = map(everything, [device.test_loader,
+                                                                                           workers.test_loader])
+        if in_held:  # the workers path's stand-in for the bad image: not on the device path
+            keep = torch.tensor([name != str(broken) for name in names])
+            worker_images, worker_labels = worker_images[keep], worker_labels[keep]
+        assert torch.equal(device_images, worker_images) and torch.equal(device_labels, worker_labels)
+    assert sides == {True, False}  # the bad image fell on each side for some seed
+
+
 def test_image_folder_whose_splits_differ(bad_runs):
     line = last_line(bad_runs[0]["mismatched"])
     assert "the class folders of train/ and val/ differ (dog missing from val/; dogs missing from train/)" in line
