@@ -20,7 +20,7 @@ question: how throughput and memory change with the batch size.
 
 Checks (--checks), the project's speed targets, each a ratio of two things measured side by side here:
     overhead    train_single's steady img/s >= 0.97 x a plain PyTorch loop (same model, optimizer,
-                batch, data on the device; bench/tools.py PlainLoop)
+                batch, channels_last layout and cuDNN search, data on the device; bench/tools.py PlainLoop)
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
                 DataLoader with 2 workers; data wait < 2 % of train_single's step time
     loader      the workers path (common.images.worker_loader + the normalisation on the device) >= 1.5 x
@@ -318,20 +318,22 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
     ``inputs`` is input_paths' report, for the loader and workers checks."""
     results, batch = [], args.per_device_batch_size
     script_steps = [s for run in single.get("runs", []) for s in run["step_seconds"]]
-    plain_steps = loops["fp32"].step_seconds if "fp32" in loops else []
+    baseline = "fp32_channels_last"  # the plain loop in train_single's layout
+    plain_steps = loops[baseline].step_seconds if baseline in loops else []
     rate = single.get("img_per_s")  # batch / its median step time, as for every row
     if "overhead" in checks and rate and plain_steps:
         # Launch k ran between plain rounds k and k + 1: each launch against the mean of its two
         # neighbours, as the machine's speed drifts by tens of percent over minutes.
         launches = [batch / statistics.median(run["step_seconds"]) for run in single["runs"]]
-        neighbours = [(before + after) / 2 for before, after in zip(plain["fp32"], plain["fp32"][1:])]
+        neighbours = [(before + after) / 2 for before, after in zip(plain[baseline], plain[baseline][1:])]
         ratio = statistics.median(s / p for s, p in zip(launches, neighbours))
         results.append(check(
             "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
             f"{ratio:.3f}x ({statistics.median(launches):.1f} vs {statistics.median(neighbours):.1f} img/s; "
             f"{args.model}, batch {batch})", ">= 0.97x",
             f"each of train_single's {len(launches)} launches against the plain-loop rounds just before and after "
-            f"it, by median step times ({len(script_steps)} and {len(plain_steps)} steps); train_single also "
+            f"it, by median step times ({len(script_steps)} and {len(plain_steps)} steps), the loop in "
+            f"channels_last as train_single runs by default; train_single also "
             f"augments every batch ({100 * single['data_wait_frac']:.1f} % of its step time), steps its schedule "
             f"and checks the loss for NaN", single["other_work"]))
         results[-1].update(train_single_step_seconds=script_steps, plain_step_seconds=list(plain_steps))
@@ -553,7 +555,7 @@ def main(args):
 
     # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
     # compare loops that ran on the same machine at the same time.
-    plain = {"fp32": [], "bf16": []}
+    plain = {"fp32": [], "fp32_channels_last": [], "bf16": []}
     # Matmul FLOP/s, measured in the same rounds and in the math the loops run in: with the scripts'
     # --tf32 default, fp32 in TF32 on GPUs that have it, so the strict fp32 peak is measured beside it.
     peaks = {"fp32": [], "bf16": [], **({"fp32_strict": []} if tools.uses_tf32(device) else {})}
@@ -561,6 +563,10 @@ def main(args):
     loops = {}
     if {"overhead", "precision", "compute", "compile"} & set(checks):
         loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, tf32_math=tf32_math)
+        if "overhead" in checks:  # train_single's own layout (--channels-last, its default); "fp32" stays
+            # NCHW, the baseline of the precision check (bf16 + channels_last against fp32)
+            loops["fp32_channels_last"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
+                                                          channels_last=True, tf32_math=tf32_math)
         if {"precision", "compile"} & set(checks) and (gpus == 0 or tools.native_bf16()):
             loops["bf16"] = tools.PlainLoop(args.model, args.per_device_batch_size, device, bf16=True,
                                             channels_last=True, tf32_math=tf32_math)

@@ -202,7 +202,8 @@ def script_rows(benchmark: dict, plain: dict[str, float], skip_single: bool = Fa
     for r in benchmark.get("rows", []):
         if skip_single and r["name"] == "single":
             continue
-        rate, base = r.get("img_per_s"), plain.get(r["precision"])
+        # The scripts run channels_last: against the plain loop in that layout where there is one.
+        rate, base = r.get("img_per_s"), plain.get(f"{r['precision']}_channels_last", plain.get(r["precision"]))
         rows.append({"strategy": r["name"], "label": r["label"], "script": r["script"], "precision": r["precision"],
                      "gpus": r["devices"], "per_gpu_batch": r["per_device_batch"], "img_per_s": rate,
                      "epoch_50k_s": r.get("epoch_50k_s"), "speedup": r.get("speedup"),

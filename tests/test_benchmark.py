@@ -104,12 +104,15 @@ def test_checks_state_each_ratio_against_its_target(report):
     # Side by side: train_single's step times (the real script, under a step timer) against the plain
     # loop's, from the rounds that ran before, between and after its launches; the warm-up left out.
     overhead = checks["overhead"]
+    # The overhead's loop runs in train_single's layout (channels_last); the precision check's fp32
+    # baseline stays NCHW. Both run the same rounds.
     assert len(result["plain_loop_img_per_s"]["fp32"]) == len(single["runs"]) + 1
+    plain = result["plain_loop_img_per_s"]["fp32_channels_last"]
+    assert len(plain) == len(single["runs"]) + 1
     assert overhead["train_single_step_seconds"] == [s for run in single["runs"] for s in run["step_seconds"]]
     assert [len(run["step_seconds"]) for run in single["runs"]] == [10, 10]
-    assert len(overhead["plain_step_seconds"]) == 10 * len(result["plain_loop_img_per_s"]["fp32"])
+    assert len(overhead["plain_step_seconds"]) == 10 * len(plain)
     # Each launch against the mean of the plain-loop rounds just before and after it.
-    plain = result["plain_loop_img_per_s"]["fp32"]
     rounds = [16 / statistics.median(overhead["plain_step_seconds"][10 * k:10 * k + 10]) for k in range(3)]
     assert plain == pytest.approx(rounds)
     launches = [16 / statistics.median(run["step_seconds"]) for run in single["runs"]]
