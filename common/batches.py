@@ -129,15 +129,24 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     fits = (h > 0) & (h <= height) & (w > 0) & (w <= width)
     first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 when none)
     h, w, found = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(dim=1)
-    # None fits: the whole image, cut to the nearest aspect ratio within the range.
-    centre_h = round(width / CROP_RATIO[0]) if width / height < CROP_RATIO[0] else height
-    centre_w = round(height * CROP_RATIO[1]) if width / height > CROP_RATIO[1] else width
+    centre_top, centre_left, centre_h, centre_w = centre_crop_box(height, width)  # where none fits
     h, w = torch.where(found, h, float(centre_h)), torch.where(found, w, float(centre_w))
     place = torch.rand(count, 2, device=device, generator=generator)
     # 0 to height - h, each as likely (min: a draw just under 1 may round up to the next integer)
-    top = torch.where(found, torch.minimum((place[:, 0] * (height - h + 1)).floor(), height - h), (height - h) // 2)
-    left = torch.where(found, torch.minimum((place[:, 1] * (width - w + 1)).floor(), width - w), (width - w) // 2)
+    top = torch.where(found, torch.minimum((place[:, 0] * (height - h + 1)).floor(), height - h), float(centre_top))
+    left = torch.where(found, torch.minimum((place[:, 1] * (width - w + 1)).floor(), width - w), float(centre_left))
     return top, left, h, w
+
+
+def centre_crop_box(height: int, width: int) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's box when none of its tries fits: the whole image, cut to the nearest
+    aspect ratio within CROP_RATIO, in the centre."""
+    h, w = height, width
+    if width / height < CROP_RATIO[0]:
+        h = round(width / CROP_RATIO[0])
+    elif width / height > CROP_RATIO[1]:
+        w = round(height * CROP_RATIO[1])
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def sample_seed(*key: int) -> int:

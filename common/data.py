@@ -349,16 +349,13 @@ def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = 
         size = DEFAULT_IMAGE_SIZE
         log.warning("the images of %s differ in size: decoding them at %dx%d (set --image-size)",
                     source.source, size, size)
-    out, skipped = [], []
-    for split in (source.train, source.test):
-        if split is None:  # to be carved from train (--val-fraction)
-            out += [torch.empty(0, 3, size, size, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)]
-            continue
-        images, labels, left_out = decode_split(split, size, skip_bad)
-        out += [images, labels]
-        skipped.append(left_out)
-    train_skipped = torch.stack([skipped[0], source.train.labels[skipped[0]]], dim=1)
-    return ImageData(*out, classes=source.classes, source=source.source, skipped=train_skipped)
+    train_images, train_labels, left_out = decode_split(source.train, size, skip_bad)
+    if source.test is None:  # to be carved from train (--val-fraction)
+        test_images, test_labels = torch.empty(0, 3, size, size, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
+    else:
+        test_images, test_labels, _ = decode_split(source.test, size, skip_bad)
+    return ImageData(train_images, train_labels, test_images, test_labels, classes=source.classes,
+                     source=source.source, skipped=torch.stack([left_out, source.train.labels[left_out]], dim=1))
 
 
 def decode_split(split, size: int, skip_bad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from common.batches import CROP_RATIO, CROP_SCALE, crop_mode, sample_seed
+from common.batches import CROP_RATIO, CROP_SCALE, centre_crop_box, crop_mode, sample_seed
 from common.errors import first_line
 
 PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
@@ -103,12 +103,7 @@ def resized_crop_box(height: int, width: int, rng: random.Random) -> tuple[int, 
         h, w = round(math.sqrt(area / aspect)), round(math.sqrt(area * aspect))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    h, w = height, width
-    if width / height < CROP_RATIO[0]:
-        h = round(width / CROP_RATIO[0])
-    elif width / height > CROP_RATIO[1]:
-        w = round(height * CROP_RATIO[1])
-    return (height - h) // 2, (width - w) // 2, h, w
+    return centre_crop_box(height, width)
 
 
 class SampleImages(Dataset):
