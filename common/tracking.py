@@ -21,7 +21,9 @@ from urllib.parse import urlsplit
 import torch
 
 from common.errors import first_line
+from common.run_record import write_metrics
 
+GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 DEFAULT_PROJECT = "multigpu-cifar"
 # Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
 # the other processes of a job wait for the main one meanwhile, so it must stay well under
@@ -89,6 +91,15 @@ def track(accelerator, values: dict, step: int) -> None:
         _give_up(accelerator, f"wandb failed to log ({first_line(error)})")
 
 
+def record_epoch(accelerator, output_dir: Path, history: list[dict], metrics: dict) -> None:
+    """An epoch's ``metrics``, appended to ``history``: metrics.jsonl, the log line and wandb."""
+    history.append(metrics)
+    if accelerator.is_main_process:
+        write_metrics(output_dir, history)
+    accelerator.print(log_line(metrics))
+    track(accelerator, metrics, step=metrics["step"])
+
+
 class StepLogger:
     """Per-step loss, lr and throughput, every ``every`` optimizer steps.
 
@@ -137,6 +148,51 @@ def log_line(m: dict) -> str:
     return line
 
 
+def start_line(script: str, where: str, config: dict, output_dir: Path) -> str:
+    """The line a run starts with, from the named values of its ``config`` (config.json): the
+    script, the model on ``where`` (its devices), the batch, the lr, the numerics, the data."""
+    args = config["args"]
+    precision = f"{config['mixed_precision']} " if "mixed_precision" in config else ""
+    accumulated = f" x {config['grad_accum']} micro-batches" if config["grad_accum"] > 1 else ""
+    batch = f"batch {config['global_batch_size']} ({config['per_device_batch_size']} per device{accumulated})"
+    numerics = f"fp32 math {config['fp32_precision']}" + (" (deterministic)" if args["deterministic"] else "")
+    workers = config.get("loader_workers") or 0
+    per_process = f", {workers} worker{'s' * (workers != 1)} per process" if config["loader"] == "workers" else ""
+    data = (f"{config['train_size']} training images ({config['data']}), {config['image_size'][0]}px, loader "
+            f"{config['loader']}{per_process} ({config['loader_reason']})")
+    steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
+    return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, {numerics}, {data}, "
+            f"{steps}, record in {output_dir}")
+
+
+class EpochMeter:
+    """One epoch's figures for its log line and metrics.jsonl: the training loss, the time, images
+    per second, and the share of the time spent waiting for batches (``wait``, a DataWait). The loss
+    is summed on the device and read once, at the end of the epoch."""
+
+    def __init__(self, device: torch.device, batch_size: int):
+        self.device, self.batch_size, self.wait = device, batch_size, DataWait(device)
+
+    def start(self) -> None:
+        """Before the epoch's first batch."""
+        self.loss_sum, self.steps, self.began = torch.zeros((), device=self.device), 0, time.perf_counter()
+        self.wait.start()
+
+    def add(self, loss: torch.Tensor) -> None:
+        """After each optimizer step, with its loss."""
+        self.loss_sum += loss
+        self.steps += 1
+
+    def figures(self, loss_sum: torch.Tensor | None = None) -> dict:
+        """train_loss, epoch_time_s, img_per_s and data_wait_frac of the epoch so far. ``loss_sum``
+        replaces this process's sum (DDP: the mean over processes). Waits for the device first, so
+        the time is true."""
+        train_loss = (self.loss_sum if loss_sum is None else loss_sum).item() / self.steps
+        seconds = time.perf_counter() - self.began
+        return {"train_loss": train_loss, "epoch_time_s": seconds, "img_per_s": self.steps * self.batch_size / seconds,
+                "data_wait_frac": self.wait.seconds() / seconds}
+
+
 class DataWait:
     """How long each epoch waited for its training batches: from the end of one step's work to the
     batch ready for the next forward pass.
@@ -177,3 +233,13 @@ class DataWait:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+
+def peak_memory(accelerator) -> dict[str, list[float]]:
+    """Peak memory allocated on each process's GPU since the last call, in GB, one value per
+    process (gathered, so every process must call it); empty on a CPU."""
+    if accelerator.device.type != "cuda":
+        return {}
+    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB], device=accelerator.device)
+    torch.cuda.reset_peak_memory_stats(accelerator.device)
+    return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}

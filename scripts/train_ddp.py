@@ -27,7 +27,7 @@ Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_conf
 Resume: the same command plus --output-dir runs/train_ddp-... --resume.
 """
 
-import time
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,83 +36,83 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.checkpoint import (
-    TrainProgress,
-    check_resume_config,
-    load_checkpoint,
-    resolve_run,
-    run_config,
-    save_checkpoint,
-    save_weights,
-    write_json,
-    write_metrics,
-)
-from common.cli import RESUMABLE_FLAGS, build_parser, check_args
+from common.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_inputs
+from common.launch import check_gpus_per_node, check_launch
 from common.models import build_model
+from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler
-from common.parallel import (
-    StepGuard,
-    check_batch_split,
-    check_gpus_per_node,
-    check_world_size,
+from common.run_folder import lock_run_and_find_resume
+from common.run_record import run_config, write_config
+from common.step_guard import StepGuard, announce_stop
+from common.tracking import (
+    EpochMeter,
+    StepLogger,
     peak_memory,
-    set_numerics,
+    record_epoch,
+    start_line,
+    start_tracking,
 )
-from common.tracking import DataWait, StepLogger, log_line, start_tracking, track
+from common.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
-EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")  # into model.safetensors
 RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
     parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
-                        help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
-    parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stalled process fails the job
-                        help="seconds a process waits for the others in a collective before the job fails: a "
-                             "stalled process ends the job instead of hanging it (default: %(default)s, as NCCL)")
+                        help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs only)")
+    parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stall fails the job
+                        help="seconds a process waits for the others in a collective: a stalled "
+                             "one ends the job instead of hanging it (default: %(default)s)")
     args = parser.parse_args(argv)
     check_args(args)
     return args
 
 
-def main(args):
-    # ----------------------------------------------------------------------------------- setup
+def build_accelerator(args) -> Accelerator:
     check_gpus_per_node()  # DDP: one process per GPU, never more
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
-        cpu=not torch.cuda.is_available(),  # DDP: without it, no GPU means N lone trainings, not gloo
+        cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
-        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts the micro-batches
-        # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True,
-                                                  split_batches=True),  # DDP: each process takes a slice
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],  # DDP: fail, not hang
+        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
+        dataloader_config=DataLoaderConfiguration(
+            # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
+            use_seedable_sampler=True, data_seed=args.seed,
+            non_blocking=True, split_batches=True),  # DDP: each process takes a slice
+        # DDP: a process stalled in a collective for --dist-timeout seconds fails the job
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
     )
-    # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
-    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
-    check_world_size(accelerator)  # DDP: Accelerate must see every process the launcher started
-    check_batch_split(args.batch_size, accelerator.num_processes, "processes", args.grad_accum)  # DDP: equal slices
-    per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: each process's slice
+    check_launch(accelerator, args.batch_size, args.grad_accum)  # DDP: every process, equal slices
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
-        raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop --sync-bn")
+        raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop it")
+    return accelerator
+
+
+def main(args):
+    # ----------------------------------------------------------------------------------- setup
+    accelerator = build_accelerator(args)
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
+    per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: slice
     set_seed(args.seed)
-    output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
+    # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
+    output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
+                                                      __file__)
 
     # ------------------------------------------------------------------------------------ data
-    # --loader device: decoded once into one tensor on the device, augmented there a batch at a time;
-    # workers: decoded and augmented per sample by DataLoader workers, for data of any size and count.
-    data = load_inputs(args, accelerator)
+    # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
+    data = load_inputs(data_options(args), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
-    device = accelerator.device
+    num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes=len(data.classes))
+    model = build_model(args.model, num_classes)
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
@@ -120,7 +120,7 @@ def main(args):
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
     peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
     optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
-    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps; the loader yields micro-batches
+    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps, of micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
@@ -128,58 +128,52 @@ def main(args):
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
 
-    progress = TrainProgress()
+    progress = TrainProgress()  # the run's place and record, saved in every checkpoint
     accelerator.register_for_checkpointing(progress)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
-        "per_device_batch_size": per_device_batch, "grad_accum": args.grad_accum,
-        "global_batch_size": args.batch_size, "lr": peak_lr,
-        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-        **data.config})
-    if checkpoint:
-        check_resume_config(checkpoint, config, RESUMABLE)
-        load_checkpoint(accelerator, checkpoint)
-        progress.history = [m for m in progress.history if m["epoch_complete"]]
-        accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
-    if accelerator.is_main_process and not (output_dir / "config.json").exists():
-        write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
-                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
-    stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"{SCRIPT}: {args.model} on {accelerator.num_processes} x {device}, "  # DDP: all of them
-                      f"batch {args.batch_size} ({per_device_batch} per device"
-                      f"{f' x {args.grad_accum} micro-batches' * (args.grad_accum > 1)}), lr {peak_lr:g}, "
-                      f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
-                      f"{data.train_size} training images ({data.source}), {data.line}, {steps_per_epoch} steps/epoch, "
-                      f"{total_steps} steps in all, record in {output_dir}")
+        "world_size": accelerator.num_processes, "device": str(accelerator.device),
+        "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
+        "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
+    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    write_config(accelerator, output_dir, config)
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
+    where = f"{accelerator.num_processes} x {accelerator.device}"  # DDP: all of them
+    accelerator.print(start_line(SCRIPT, where, config, output_dir))
 
     # ----------------------------------------------------------------------------------- train
+    stop_step = min(total_steps, args.max_steps or total_steps)
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
-    data_wait, guard = DataWait(device), StepGuard(accelerator, output_dir)  # NaN loss, SIGTERM, SIGUSR1
+    meter = EpochMeter(accelerator.device, args.batch_size)  # the epoch's loss, time, data wait
+    guard = StepGuard(accelerator, output_dir)  # what every process decides after each step
+    guard.install_signal_handlers()  # SIGTERM, SIGUSR1: finish the step, save it, exit 75
+    checkpointer = Checkpointer(accelerator, output_dir, args.checkpoint_every,
+                                args.keep_checkpoints)
+    stop = None  # the stop every process agreed on: a stop signal, or a non-finite loss
     for epoch in range(progress.epoch, args.epochs):
-        if progress.step >= stop_step:
+        if progress.step >= stop_step or stop:
             break
         model.train()
-        train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
-        # After a mid-epoch resume, start at the first batch this epoch has not trained on.
-        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch * args.grad_accum) \
-            if progress.batch_in_epoch else train_loader  # a new loader: the workers would start again
-        loss_sum, step_loss, trained = torch.zeros((), device=device), 0, 0
-        start = time.perf_counter()
-        data_wait.start()
+        train_loader.set_epoch(epoch)  # a new order each epoch, a function of seed and epoch
+        # A mid-epoch resume starts at the first batch not trained on (a new loader only then)
+        skip = progress.batch_in_epoch * args.grad_accum
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        step_loss = 0
+        meter.start()
         for micro_batch, (images, labels) in enumerate(tqdm(
-                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=not accelerator.is_main_process),
-                start=progress.step * args.grad_accum):  # counted over the run
-            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first run drew.
+                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                disable=not accelerator.is_main_process), start=progress.step * args.grad_accum):
+            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first drew.
             # DDP: and from the process index, so the processes do not flip and crop alike.
-            images = transform.train(images, seed=(args.seed, micro_batch, accelerator.process_index))
-            data_wait.stop()
-            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided by N);
-            # the optimizer, the schedule and zero_grad act on the N-th only (accelerator.sync_gradients).
+            images = transform.train(images, (args.seed, micro_batch, accelerator.process_index))
+            meter.wait.stop()
+            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided
+            # by N); the optimizer, schedule and zero_grad act on the N-th only (sync_gradients).
             with accelerator.accumulate(model):
                 loss = criterion(model(images), labels)
                 accelerator.backward(loss)
-                if args.clip_grad and accelerator.sync_gradients:  # the norm of the summed gradients
+                if args.clip_grad and accelerator.sync_gradients:  # the summed gradients' norm
                     accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]
@@ -187,62 +181,47 @@ def main(args):
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum
             if not accelerator.sync_gradients:  # a micro-batch of a step still being accumulated
-                data_wait.start()
+                meter.wait.start()
                 continue
             progress.step += 1
             progress.batch_in_epoch += 1
-            loss_sum += step_loss
-            trained += 1
-            # NaN or inf: all processes stop, nothing of it saved; True: a stop signal, all stop here
-            stop = guard.check(step_loss, progress.step)
+            meter.add(step_loss)
+            # The epoch's last whole optimizer step: micro-batches left over wait for the next.
+            epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
+            # None, or a stop signal or a non-finite loss: read at once for a step to be saved,
+            # else (on a GPU) a step later, so that the host does not wait for the device.
+            stop = guard.check(step_loss, progress.step, checkpointer.due(progress.step, epoch_end))
             step_logger.log(progress.step, step_loss, lr)
             step_loss = 0
-            if progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch:
-                break  # the epoch's last whole optimizer step: micro-batches left over wait for the next
-            if stop:  # saved at this step, then every process exits; at an epoch's end it saves below
-                guard.stop(save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints),
-                           progress.step)
-            if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
-                guard.flush()  # this step's loss is known to be finite before the step is saved
-                save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-            data_wait.start()
-        guard.flush()  # the epoch's last loss, before anything of the epoch is recorded
-        # .item() waits for the device, so the epoch time below is true.
-        train_loss = accelerator.reduce(loss_sum, "mean").item() / trained  # DDP: the mean over processes
-        epoch_time = time.perf_counter() - start
-        epoch_complete = progress.batch_in_epoch == steps_per_epoch
-        if epoch_complete:
-            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
 
-        # ------------------------------------------------------- evaluate, record, checkpoint
-        result = evaluate(model, test_loader, transform, accelerator, len(data.classes))
-        metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
-                   "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
-                   "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
-                   "img_per_s": trained * args.batch_size / epoch_time,
-                   "data_wait_frac": data_wait.seconds() / epoch_time}
-        metrics.update(peak_memory(accelerator))  # GPUs: each process's peak this epoch
-        progress.history.append(metrics)
-        if accelerator.is_main_process:
-            write_metrics(output_dir, progress.history)
-        accelerator.print(log_line(metrics))
-        track(accelerator, metrics, step=progress.step)
-        saved = save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-        if guard.agree() and progress.step < stop_step:  # a stop signal in the last step or evaluation
-            guard.stop(saved, progress.step)
+            # ------------------------------------- the epoch's end: evaluate, record the epoch
+            if epoch_end and (stop is None or stop.saves):
+                epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
+                # DDP: the loss averaged over processes; the time, img/s, the data wait
+                figures = meter.figures(accelerator.reduce(meter.loss_sum, "mean"))
+                result = evaluate(model, test_loader, transform, accelerator, num_classes)
+                record_epoch(accelerator, output_dir, progress.history, {
+                    "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
+                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,
+                    "test_acc": result.accuracy, "test_images": result.total,
+                    **peak_memory(accelerator)})  # GPUs: each process's peak this epoch
+                if progress.step < stop_step:  # a stop signal that came during the evaluation
+                    stop = guard.signalled()
+            # ---------- the one checkpoint: every --checkpoint-every steps, the epoch's end, a stop
+            checkpointer.save(progress.step, epoch_end, stop)
+            if stop or epoch_end:
+                break
+            meter.wait.start()
 
     # ------------------------------------------------------------------------------- finish
-    if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
-        # and the metadata is all that scripts/evaluate.py needs besides the test images.
-        save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "step": progress.step, "channels_last": args.channels_last,
-                      **{key: config[key] for key in EVALUATION if key in config}})
-    final = progress.history[-1] if progress.history else None
-    accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
-                      f"- weights in {output_dir / 'model.safetensors'}")
+    if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
+        return announce_stop(accelerator, stop, progress.step, checkpointer.last)
+    weights = save_final_weights(accelerator, model, output_dir, config, progress.step)
+    final = f", test_acc {progress.history[-1]['test_acc']:.4f}" if progress.history else ""
+    accelerator.print(f"done: step {progress.step}{final} - weights in {weights}")
     accelerator.end_training()
+    return 0
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(main(parse_args()))

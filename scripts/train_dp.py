@@ -32,7 +32,7 @@ to teach AMP; scripts/train_amp.py teaches it once, on DDP.
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
 DataParallel wrapper has `module.` in front of every key and does not load into a plain model
-(common.checkpoint.load_weights strips it); this script saves the unwrapped model.
+(common.weights.load_weights strips it); this script saves the unwrapped model.
 
 Launch:
     python scripts/train_dp.py                                  # every visible GPU
@@ -42,7 +42,7 @@ It is one process: `accelerate launch --num_processes 1` works too, more process
 Resume: the same command plus --output-dir runs/train_dp-... --resume.
 """
 
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -50,161 +50,156 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.checkpoint import (
-    TrainProgress,
-    check_resume_config,
-    load_checkpoint,
-    resolve_run,
-    run_config,
-    save_checkpoint,
-    save_weights,
-    write_json,
-    write_metrics,
-)
-from common.cli import RESUMABLE_FLAGS, build_parser, check_args
+from common.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
+from common.data_parallel import check_peer_copies, data_parallel_devices, memory_report
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_inputs
+from common.launch import check_batch_split, require_single_process
 from common.models import build_model
+from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler
-from common.parallel import (
-    StepGuard,
-    check_batch_split,
-    check_peer_copies,
-    data_parallel_devices,
-    memory_report,
-    require_single_process,
-    set_numerics,
+from common.run_folder import lock_run_and_find_resume
+from common.run_record import run_config, write_config
+from common.step_guard import StepGuard, announce_stop
+from common.tracking import (
+    EpochMeter,
+    StepLogger,
+    record_epoch,
+    start_line,
+    start_tracking,
 )
-from common.tracking import DataWait, StepLogger, log_line, start_tracking, track
+from common.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
-EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")  # into model.safetensors
 RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
-    parser.add_argument("--loss-in-replicas", action="store_true",  # DP: the articles' parallel criterion
-                        help="compute each GPU's loss on that GPU: GPU 0 gathers one loss per GPU, not every output")
+    parser.add_argument("--loss-in-replicas", action="store_true",  # DP: the parallel criterion
+                        help="compute each GPU's loss on that GPU: GPU 0 gathers one loss per GPU, "
+                             "not every output")
     args = parser.parse_args(argv)
     check_args(args)
     return args
 
 
-class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU and runs in a thread per GPU
-    """The model and, given labels, the loss of this GPU's slice of the batch (--loss-in-replicas)."""
+class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU, run in a thread per GPU
+    """The model and, given labels, the loss of this GPU's slice (--loss-in-replicas)."""
 
     def __init__(self, model, criterion):
         super().__init__()
         self.model, self.criterion = model, criterion
 
     def forward(self, images, labels=None):
-        outputs = self.model(images)  # DP: a 1-element loss: GPU 0 gathers one per GPU, not every output
+        outputs = self.model(images)  # DP: a 1-element loss: GPU 0 gathers one per GPU, not outputs
         return outputs if labels is None else self.criterion(outputs, labels).unsqueeze(0)
+
+
+def build_accelerator(args) -> Accelerator:
+    require_single_process(__file__)
+    if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
+        raise UserError(f"--compile {args.compile}: not with DataParallel: use train_ddp.py")
+    accelerator = Accelerator(
+        log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
+        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
+        dataloader_config=DataLoaderConfiguration(
+            # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
+            use_seedable_sampler=True, data_seed=args.seed,
+            non_blocking=True),
+    )
+    return accelerator
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    require_single_process(__file__)
-    if args.compile:  # DP: the replicas are new copies of the model at every step, outside any compiled graph
-        raise UserError(f"--compile {args.compile}: not offered with DataParallel: use train_ddp.py --compile")
-    accelerator = Accelerator(
-        log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
-        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in torch.compile
-        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts the micro-batches
-        # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
-    )
-    # TF32 where the GPU has it (--tf32), cuDNN's algorithm search, or --deterministic
-    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)
-    devices = data_parallel_devices(accelerator.device)  # DP: every visible GPU (CUDA_VISIBLE_DEVICES)
+    accelerator = build_accelerator(args)
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
+    devices = data_parallel_devices(accelerator.device)  # DP: every GPU CUDA_VISIBLE_DEVICES shows
     if len(devices) > 1:  # DP: equal slices, and copies between GPUs that arrive intact
         check_batch_split(args.batch_size, len(devices), "visible GPUs", args.grad_accum)
         check_peer_copies(devices)
-    per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: the slice of each GPU
+    per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: each GPU's
     set_seed(args.seed)
-    output_dir, checkpoint = resolve_run(accelerator, args.output_dir, args.resume, __file__)
+    # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
+    output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
+                                                      __file__)
 
     # ------------------------------------------------------------------------------------ data
-    # --loader device: decoded once into one tensor on the device, augmented there a batch at a time;
-    # workers: decoded and augmented per sample by DataLoader workers, for data of any size and count.
-    data = load_inputs(args, accelerator)
+    # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
+    data = load_inputs(data_options(args), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
-    device = accelerator.device
+    num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes=len(data.classes))
+    model = build_model(args.model, num_classes)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
     peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
     optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
-    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps; the loader yields micro-batches
+    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps, of micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, test_loader, scheduler)
-    parallel_model = Replica(model, criterion)  # DP: after prepare: save_state keeps the model, no module. prefix
+    parallel_model = Replica(model, criterion)  # DP: after prepare: save_state keeps the plain one
     if devices:  # DP: gathers on devices[0]; on a CPU (or --cpu) there is nothing to split
         parallel_model = torch.nn.DataParallel(parallel_model, device_ids=devices)
 
-    progress = TrainProgress()
+    progress = TrainProgress()  # the run's place and record, saved in every checkpoint
     accelerator.register_for_checkpointing(progress)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(device), "fp32_precision": fp32,
+        "world_size": accelerator.num_processes, "device": str(accelerator.device),
         "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
-        "per_device_batch_size": per_device_batch, "grad_accum": args.grad_accum,
-        "global_batch_size": args.batch_size, "lr": peak_lr,
-        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-        **data.config})
-    if checkpoint:
-        check_resume_config(checkpoint, config, RESUMABLE)
-        load_checkpoint(accelerator, checkpoint)
-        progress.history = [m for m in progress.history if m["epoch_complete"]]
-        accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
-    if accelerator.is_main_process and not (output_dir / "config.json").exists():
-        write_json(output_dir / "config.json", config)
-    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one run per job
-                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
-    stop_step = min(total_steps, args.max_steps or total_steps)
-    accelerator.print(f"{SCRIPT}: {args.model} on {', '.join(map(str, devices)) or device}, "  # DP: every GPU
-                      f"batch {args.batch_size} ({per_device_batch} per device"
-                      f"{f' x {args.grad_accum} micro-batches' * (args.grad_accum > 1)}), lr {peak_lr:g}, "
-                      f"fp32 math {fp32}{' (deterministic)' * args.deterministic}, "
-                      f"{data.train_size} training images ({data.source}), {data.line}, {steps_per_epoch} steps/epoch, "
-                      f"{total_steps} steps in all, record in {output_dir}")
+        "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
+        "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
+    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    write_config(accelerator, output_dir, config)
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
+    where = ", ".join(map(str, devices)) or str(accelerator.device)  # DP: every GPU
+    accelerator.print(start_line(SCRIPT, where, config, output_dir))
 
     # ----------------------------------------------------------------------------------- train
+    stop_step = min(total_steps, args.max_steps or total_steps)
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
-    data_wait, guard = DataWait(device), StepGuard(accelerator, output_dir)  # NaN loss, SIGTERM, SIGUSR1
+    meter = EpochMeter(accelerator.device, args.batch_size)  # the epoch's loss, time, data wait
+    guard = StepGuard(accelerator, output_dir)  # what every process decides after each step
+    guard.install_signal_handlers()  # SIGTERM, SIGUSR1: finish the step, save it, exit 75
+    checkpointer = Checkpointer(accelerator, output_dir, args.checkpoint_every,
+                                args.keep_checkpoints)
+    stop = None  # the stop every process agreed on: a stop signal, or a non-finite loss
     for epoch in range(progress.epoch, args.epochs):
-        if progress.step >= stop_step:
+        if progress.step >= stop_step or stop:
             break
         model.train()
-        train_loader.set_epoch(epoch)  # a new order each epoch, a function of the seed and the epoch
-        # After a mid-epoch resume, start at the first batch this epoch has not trained on.
-        batches = accelerator.skip_first_batches(train_loader, progress.batch_in_epoch * args.grad_accum) \
-            if progress.batch_in_epoch else train_loader  # a new loader: the workers would start again
-        loss_sum, step_loss, trained = torch.zeros((), device=device), 0, 0
-        start = time.perf_counter()
-        data_wait.start()
+        train_loader.set_epoch(epoch)  # a new order each epoch, a function of seed and epoch
+        # A mid-epoch resume starts at the first batch not trained on (a new loader only then)
+        skip = progress.batch_in_epoch * args.grad_accum
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        step_loss = 0
+        meter.start()
         for micro_batch, (images, labels) in enumerate(tqdm(
-                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=not accelerator.is_main_process),
-                start=progress.step * args.grad_accum):  # counted over the run
-            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first run drew.
-            images = transform.train(images, seed=(args.seed, micro_batch))
-            data_wait.stop()
-            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided by N);
-            # the optimizer, the schedule and zero_grad act on the N-th only (accelerator.sync_gradients).
+                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                disable=not accelerator.is_main_process), start=progress.step * args.grad_accum):
+            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first drew.
+            images = transform.train(images, (args.seed, micro_batch))
+            meter.wait.stop()
+            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided
+            # by N); the optimizer, schedule and zero_grad act on the N-th only (sync_gradients).
             with accelerator.accumulate(model):
-                loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: one loss per GPU
-                        else criterion(parallel_model(images), labels))  # DP: from the outputs gathered on GPU 0
+                loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: GPUs
+                        else criterion(parallel_model(images), labels))  # DP: gathered on GPU 0
                 accelerator.backward(loss)
-                if args.clip_grad and accelerator.sync_gradients:  # the norm of the summed gradients
+                if args.clip_grad and accelerator.sync_gradients:  # the summed gradients' norm
                     accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]
@@ -212,62 +207,47 @@ def main(args):
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum
             if not accelerator.sync_gradients:  # a micro-batch of a step still being accumulated
-                data_wait.start()
+                meter.wait.start()
                 continue
             progress.step += 1
             progress.batch_in_epoch += 1
-            loss_sum += step_loss
-            trained += 1
-            # NaN or inf: all processes stop, nothing of it saved; True: a stop signal, all stop here
-            stop = guard.check(step_loss, progress.step)
+            meter.add(step_loss)
+            # The epoch's last whole optimizer step: micro-batches left over wait for the next.
+            epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
+            # None, or a stop signal or a non-finite loss: read at once for a step to be saved,
+            # else (on a GPU) a step later, so that the host does not wait for the device.
+            stop = guard.check(step_loss, progress.step, checkpointer.due(progress.step, epoch_end))
             step_logger.log(progress.step, step_loss, lr)
             step_loss = 0
-            if progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch:
-                break  # the epoch's last whole optimizer step: micro-batches left over wait for the next
-            if stop:  # saved at this step, then every process exits; at an epoch's end it saves below
-                guard.stop(save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints),
-                           progress.step)
-            if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
-                guard.flush()  # this step's loss is known to be finite before the step is saved
-                save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-            data_wait.start()
-        guard.flush()  # the epoch's last loss, before anything of the epoch is recorded
-        # .item() waits for the device, so the epoch time below is true.
-        train_loss = loss_sum.item() / trained
-        epoch_time = time.perf_counter() - start
-        epoch_complete = progress.batch_in_epoch == steps_per_epoch
-        if epoch_complete:
-            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
 
-        # ------------------------------------------------------- evaluate, record, checkpoint
-        result = evaluate(parallel_model, test_loader, transform, accelerator, len(data.classes))  # DP: all GPUs
-        metrics = {"epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
-                   "step": progress.step, "batch_size": args.batch_size, "lr": lr, "train_loss": train_loss,
-                   "test_acc": result.accuracy, "test_images": result.total, "epoch_time_s": epoch_time,
-                   "img_per_s": trained * args.batch_size / epoch_time,
-                   "data_wait_frac": data_wait.seconds() / epoch_time}
-        metrics.update(memory_report(devices))  # DP: one value per GPU; GPU 0 holds more
-        progress.history.append(metrics)
-        if accelerator.is_main_process:
-            write_metrics(output_dir, progress.history)
-        accelerator.print(log_line(metrics))
-        track(accelerator, metrics, step=progress.step)
-        saved = save_checkpoint(accelerator, output_dir, progress.step, args.keep_checkpoints)
-        if guard.agree() and progress.step < stop_step:  # a stop signal in the last step or evaluation
-            guard.stop(saved, progress.step)
+            # ------------------------------------- the epoch's end: evaluate, record the epoch
+            if epoch_end and (stop is None or stop.saves):
+                epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
+                figures = meter.figures(meter.loss_sum)  # the loss, the time, img/s, the data wait
+                # DP: evaluated on all the GPUs
+                result = evaluate(parallel_model, test_loader, transform, accelerator, num_classes)
+                record_epoch(accelerator, output_dir, progress.history, {
+                    "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
+                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,
+                    "test_acc": result.accuracy, "test_images": result.total,
+                    **memory_report(devices)})  # DP: one value per GPU; GPU 0 holds more
+                if progress.step < stop_step:  # a stop signal that came during the evaluation
+                    stop = guard.signalled()
+            # ---------- the one checkpoint: every --checkpoint-every steps, the epoch's end, a stop
+            checkpointer.save(progress.step, epoch_end, stop)
+            if stop or epoch_end:
+                break
+            meter.wait.start()
 
     # ------------------------------------------------------------------------------- finish
-    if accelerator.is_main_process:
-        # unwrap_model strips DDP, save_weights the _orig_mod. of --compile: loads into a plain model,
-        # and the metadata is all that scripts/evaluate.py needs besides the test images.
-        save_weights(accelerator.unwrap_model(model), output_dir / "model.safetensors",
-                     {"model": args.model, "step": progress.step, "channels_last": args.channels_last,
-                      **{key: config[key] for key in EVALUATION if key in config}})
-    final = progress.history[-1] if progress.history else None
-    accelerator.print(f"done: step {progress.step}, test_acc {final['test_acc']:.4f}" if final else "done",
-                      f"- weights in {output_dir / 'model.safetensors'}")
+    if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
+        return announce_stop(accelerator, stop, progress.step, checkpointer.last)
+    weights = save_final_weights(accelerator, model, output_dir, config, progress.step)
+    final = f", test_acc {progress.history[-1]['test_acc']:.4f}" if progress.history else ""
+    accelerator.print(f"done: step {progress.step}{final} - weights in {weights}")
     accelerator.end_training()
+    return 0
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(main(parse_args()))

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, execute
 
-from common.checkpoint import save_checkpoint
+from common.checkpoints import save_checkpoint
 from common.cli import check_folder
 from common.errors import UserError
-from common.parallel import check_batch_split, check_gpus_per_node
+from common.launch import check_batch_split, check_gpus_per_node
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]

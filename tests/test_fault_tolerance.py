@@ -31,7 +31,7 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic
 RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
 OWN_RENDEZVOUS = {"PET_STANDALONE": "1"}  # as `make ddp`: a free port and a random id for each job
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
-STOPPED = 75  # common.parallel.STOPPED_EXIT_CODE
+STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state is in (\S+); .*?\(exit code 75\)")
 
 

@@ -33,10 +33,11 @@ import torch
 from accelerate.utils import set_seed
 from helpers import DATA, ROOT, TINY, run, weights
 
-from common.batches import BatchTransform, on_device, tensor_loader
-from common.data import make_synthetic
+from common.data.device import on_device, tensor_loader
+from common.data.synthetic import make_synthetic
+from common.data.transform import BatchTransform
 from common.models import build_model
-from common.parallel import StepGuard
+from common.step_guard import StepGuard
 from common.tracking import DataWait
 
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
@@ -317,7 +318,7 @@ def test_a_training_step_never_makes_the_host_wait_for_the_gpu(record, tmp_path)
     transform = BatchTransform([125.0, 123.0, 114.0], [63.0, 62.0, 66.0], channels_last=True)
     model = build_model("resnet20", 10).to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard, wait = StepGuard(OneProcess(), tmp_path, listen=False), DataWait(device)
+    guard, wait = StepGuard(OneProcess(), tmp_path), DataWait(device)
 
     def step(i):
         wait.start()

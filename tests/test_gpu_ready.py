@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from common import tracking
-from common.batches import BatchTransform, on_device
-from common.checkpoint import latest_checkpoint
-from common.data import make_synthetic
+from common.checkpoints import latest_checkpoint
+from common.data.device import on_device
+from common.data.synthetic import make_synthetic
+from common.data.transform import BatchTransform
 from common.errors import UserError
-from common.parallel import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, choose_mixed_precision, set_numerics
+from common.numerics import choose_mixed_precision, set_numerics
+from common.step_guard import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, announce_stop
 from common.tracking import DataWait, start_tracking
 
 
@@ -57,32 +59,34 @@ def checkpoints(folder, *steps):
 def test_a_non_finite_loss_stops_before_anything_is_saved(tmp_path, capsys):
     checkpoints(tmp_path, 40)
     accelerator = FakeAccelerator()
-    guard = StepGuard(accelerator, tmp_path, listen=False)
-    assert guard.check(torch.tensor(2.3), 41) is False
-    with pytest.raises(SystemExit) as stopped:
-        guard.check(torch.tensor(float("nan")), 42)  # on a CPU read at once; on a GPU one step later
-    assert stopped.value.code == 1 and accelerator.waited == 1  # every process speaks before any exits
+    guard = StepGuard(accelerator, tmp_path)
+    assert guard.check(torch.tensor(2.3), 41) is None
+    stop = guard.check(torch.tensor(float("nan")), 42)  # on a CPU read at once; on a GPU one step later
+    assert stop is not None and not stop.saves and stop.exit_code == 1
+    assert announce_stop(accelerator, stop, 42, None) == 1
+    assert accelerator.waited == 1 and accelerator.ended == 0  # every process speaks before any exits
     assert capsys.readouterr().err == (
         f"error: the loss is nan at step 42: training stopped and nothing of that step was saved; the last good "
         f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr\n")
 
 
-def test_a_gpu_step_is_read_one_step_later_and_flushed_before_a_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_gpu_step_is_read_one_step_later_and_at_once_before_a_checkpoint(tmp_path, monkeypatch):
     """The GPU path on the CPU: the copy to the host and its event stand in for the device's."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self.clone())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None,
                                                                       "synchronize": lambda self: None})())
-    guard = StepGuard(FakeAccelerator(), tmp_path, listen=False)
-    guard.check(torch.tensor(1.0), 1)
-    guard.flush()  # finite: goes on
-    guard.flush()  # nothing pending
-    guard.check(torch.tensor(float("inf")), 2)  # pending: the host did not wait for it
-    with pytest.raises(SystemExit):
-        guard.flush()
-    err = capsys.readouterr().err
-    assert "the loss is inf at step 2" in err and "there is no checkpoint yet: start again with a lower --lr" in err
+    guard = StepGuard(FakeAccelerator(), tmp_path)
+    assert guard.check(torch.tensor(1.0), 1) is None
+    assert guard.check(torch.tensor(float("inf")), 2) is None  # pending: the host did not wait for it
+    stop = guard.check(torch.tensor(1.0), 3)  # step 2's sums arrive with step 3
+    assert stop is not None and not stop.saves and "the loss is inf at step 2" in stop.message
+    assert "there is no checkpoint yet: start again with a lower --lr" in stop.message
+    later = StepGuard(FakeAccelerator(), tmp_path)
+    assert later.check(torch.tensor(1.0), 1) is None
+    stop = later.check(torch.tensor(float("nan")), 2, now=True)  # a step to be saved: read at once
+    assert stop is not None and not stop.saves and "the loss is nan at step 2" in stop.message
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
@@ -91,21 +95,33 @@ def test_a_stop_signal_finishes_the_step_then_every_process_stops(tmp_path, stop
     accelerator = FakeAccelerator()
     try:
         guard = StepGuard(accelerator, tmp_path)
-        assert guard.check(torch.tensor(2.0), 6) is False
+        guard.install_signal_handlers()
+        assert guard.check(torch.tensor(2.0), 6) is None
         os.kill(os.getpid(), stop_signal)  # the handler only notes it: this process goes on
-        assert guard.received == stop_signal.name and not guard.stopping
+        assert guard.received == stop_signal.name and guard.stop is None
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal (the launcher's and SLURM's) changes nothing
         assert guard.received == stop_signal.name
-        assert guard.check(torch.tensor(2.0), 7) is True and guard.agree() is True
-        with pytest.raises(SystemExit) as stopped:
-            guard.stop(tmp_path / "checkpoints" / "step_00000007", 7)
+        stop = guard.check(torch.tensor(2.0), 7)
+        assert stop is not None and stop.saves and guard.signalled() is stop
+        code = announce_stop(accelerator, stop, 7, tmp_path / "checkpoints" / "step_00000007")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the launcher's next SIGTERM waits
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    assert stopped.value.code == STOPPED_EXIT_CODE == 75 and accelerator.ended == 1
+    assert code == STOPPED_EXIT_CODE == 75 and accelerator.ended == 1
     assert accelerator.printed == [
         f"stopped by {stop_signal.name} after step 7: the training state is in {tmp_path}/checkpoints/step_00000007; "
         f"the same command with --resume continues from there (exit code 75)"]
+
+
+def test_a_non_finite_loss_overrides_a_stop_signal(tmp_path):
+    """A signal and a diverged step together: nothing of the step may be saved."""
+    class OtherProcessSignalled(FakeAccelerator):
+        def reduce(self, tensor, reduction):
+            return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
+
+    stop = StepGuard(OtherProcessSignalled(), tmp_path).check(torch.tensor(float("nan")), 3)
+    assert stop is not None and not stop.saves
 
 
 def test_a_signal_to_another_process_stops_this_one_at_the_same_step(tmp_path):
@@ -113,10 +129,14 @@ def test_a_signal_to_another_process_stops_this_one_at_the_same_step(tmp_path):
         def reduce(self, tensor, reduction):  # the sum over 2 processes, the other one signalled
             return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
 
-    guard = StepGuard(OtherProcessSignalled(), tmp_path, listen=False)
-    assert guard.received is None and guard.check(torch.tensor(2.0), 3) is True
-    without = StepGuard(FakeAccelerator(), tmp_path, listen=False)
-    assert without.check(torch.tensor(2.0), 3) is False and without.agree() is False
+    guard = StepGuard(OtherProcessSignalled(), tmp_path)
+    stop = guard.check(torch.tensor(2.0), 3)
+    assert guard.received is None and stop is not None and stop.saves
+    assert stop.message == "a stop signal to another process"
+    without = StepGuard(FakeAccelerator(), tmp_path)
+    assert without.check(torch.tensor(2.0), 3) is None and without.signalled() is None
+    during_evaluation = StepGuard(OtherProcessSignalled(), tmp_path)
+    assert during_evaluation.signalled().saves  # at an epoch's end, for a signal during evaluation
 
 
 # ------------------------------------------------------------------------------ fp16 skipped steps
@@ -130,10 +150,10 @@ def test_fp16_stops_after_100_skipped_steps_in_a_row(tmp_path, capsys):
         skipped.count(step)
     assert skipped.in_epoch == 99 and skipped.in_a_row == 98
     accelerator.optimizer_step_was_skipped = True
-    skipped.count(201)
-    with pytest.raises(SystemExit) as stopped:
-        skipped.count(202)
-    assert stopped.value.code == 1
+    assert skipped.count(201) is None
+    stop = skipped.count(202)
+    assert stop is not None and not stop.saves
+    assert announce_stop(accelerator, stop, 202, None) == 1 and accelerator.waited == 1
     err = capsys.readouterr().err
     assert err.startswith("error: fp16 skipped 100 steps in a row (103 to 202) because the gradients overflowed "
                           "at every loss scale (now 9.31323e-10): training diverged and stopped; the newest "

@@ -1,6 +1,6 @@
 """The run folder: checkpoints checked before a resume trusts them, and one job at a time.
 
-In-process where the decision is ours (resolve_run, checkpoint_problem, lock_run_folder on real
+In-process where the decision is ours (lock_run_and_find_resume, checkpoint_problem, lock_run_folder on real
 Accelerate checkpoints of a tiny model); three runs of train_single.py and one small process show
 what a user sees: a damaged newest checkpoint skipped, a second job refused, the lock given back.
 """
@@ -20,17 +20,9 @@ import torch
 from accelerate import Accelerator
 from helpers import ROOT, run
 
-from common.checkpoint import (
-    LOCK_FILE,
-    RunLock,
-    TrainProgress,
-    checkpoint_problem,
-    latest_good_checkpoint,
-    load_checkpoint,
-    lock_run_folder,
-    resolve_run,
-    save_checkpoint,
-)
+from common.checkpoints import TrainProgress, checkpoint_problem, latest_good_checkpoint, load_checkpoint, save_checkpoint
+from common.run_folder import lock_run_and_find_resume
+from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
 from common.errors import UserError
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
@@ -39,7 +31,7 @@ HOST = socket.gethostname()
 
 
 class MainProcess:
-    """What resolve_run asks of the accelerator of a one-process job."""
+    """What lock_run_and_find_resume asks of the accelerator of a one-process job."""
     is_main_process = True
 
     def wait_for_everyone(self):
@@ -47,7 +39,7 @@ class MainProcess:
 
 
 def resolve(output_dir, resume="latest"):
-    return resolve_run(MainProcess(), str(output_dir), resume, "train_single.py")
+    return lock_run_and_find_resume(MainProcess(), str(output_dir), resume, "train_single.py")
 
 
 @pytest.fixture(autouse=True)
@@ -306,7 +298,7 @@ def test_without_flock_the_file_alone_is_the_lock(tmp_path, monkeypatch, capsys)
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("common.checkpoint.fcntl.flock", no_flock)
+    monkeypatch.setattr("common.run_lock.fcntl.flock", no_flock)
     out = tmp_path / "run"
     out.mkdir()
     lock = out / LOCK_FILE
@@ -356,7 +348,7 @@ def test_a_forked_child_does_not_release_the_lock(tmp_path):
 
 def test_the_lock_is_released_when_a_process_stops_with_a_user_error(tmp_path):
     out = tmp_path / "runs" / "new"
-    code = ("import sys; from common.checkpoint import lock_run_folder; from common.errors import UserError; "
+    code = ("import sys; from common.run_lock import lock_run_folder; from common.errors import UserError; "
             "lock_run_folder(sys.argv[1]); raise UserError('--model resnet99: no such model')")
     done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)

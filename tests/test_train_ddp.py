@@ -16,7 +16,7 @@ from helpers import ROOT, run, weights
 
 from common.errors import UserError
 from common.models import build_model
-from common.parallel import check_world_size
+from common.launch import check_world_size
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),

@@ -15,7 +15,8 @@ from helpers import DATA, ROOT, run, weights
 
 from common.errors import UserError
 from common.models import build_model
-from common.parallel import check_batch_split, data_parallel_devices, memory_report
+from common.data_parallel import data_parallel_devices, memory_report
+from common.launch import check_batch_split
 from common.tracking import log_line
 
 # DATA with fewer images (the last value of a flag wins): 16 steps an epoch at batch 32, of which the runs

@@ -11,7 +11,7 @@ import torch
 from helpers import DATA, TINY, run, wandb_runs, weights
 from wandb_records import offline_run
 
-from common.checkpoint import read_metadata, save_weights
+from common.weights import read_metadata, save_weights
 from common.models import build_model
 
 LOG_LINE = re.compile(r"^epoch=(\d+)/(\d+) step=(\d+) batch=(\d+) lr=\S+ train_loss=\d+\.\d{4} "
@@ -115,7 +115,7 @@ def test_resume_with_nothing_to_resume(tmp_path):
 
 
 def test_default_output_dir_is_new_for_each_run(tmp_path):
-    from common.checkpoint import new_run_dir
+    from common.run_folder import new_run_dir
 
     first = new_run_dir("single", root=str(tmp_path))
     first.mkdir()

@@ -1,0 +1,64 @@
+"""Atomic files: a file or folder is either the old one or the whole new one, never half-written.
+
+Every file the runs write goes through ``atomic_write``: written under a temporary name, flushed to
+the disk (fsync), then renamed into place, so a process killed while writing leaves the previous
+file intact, where writing in place would leave a half-written one that the next run would read.
+"""
+
+import errno
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_write(path: Path):
+    """Open a new file for ``path`` in binary mode; on success it reaches the disk and replaces
+    ``path`` in one rename, on failure it is removed. Readers see the old file or the whole new one.
+
+        with atomic_write(output_dir / "config.json") as f:
+            f.write(text.encode())
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One temporary name per file: a leftover of a killed writer is overwritten, not piled up. Each
+    # file has one writer at a time (the main process; the data cache holds a file lock).
+    partial = path.with_name(f".tmp-{path.name}")
+    try:
+        with open(partial, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)  # the rename itself reaches the disk
+
+
+def write_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON in ``path``, atomically."""
+    with atomic_write(path) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename, a new file) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some network and FUSE filesystems cannot sync a folder; their renames stand
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and folder under ``path`` to the disk, before it is renamed into place."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(Path(root) / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(root))

@@ -1,0 +1,61 @@
+"""Numerics: how fp32 math runs (TF32, cuDNN's search, determinism) and which 16-bit format AMP uses."""
+
+import os
+import sys
+
+import torch
+
+from common.errors import UserError
+
+
+def choose_mixed_precision(requested: str | None) -> str:
+    """The 16-bit format to train in: ``requested`` (--mixed-precision), else the Accelerate config's
+    (accelerate launch exports it as ACCELERATE_MIXED_PRECISION), else bf16 where the hardware has it
+    (CPUs; GPUs of compute capability 8.0 and newer) and fp16 on older GPUs, which only emulate bf16
+    (torch.cuda.is_bf16_supported() says True on them). Call it before the Accelerator exists: it asks
+    about this process's GPU (LOCAL_RANK) without creating a context on another one."""
+    configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = requested or configured
+    if precision not in ("fp16", "bf16"):
+        precision = "fp16" if torch.cuda.is_available() and _own_gpu_capability() < (8, 0) else "bf16"
+        if configured != "no" and os.environ.get("RANK", "0") == "0":
+            print(f"warning: the Accelerate config's mixed_precision {configured} is not one train_amp.py trains "
+                  f"in; training in {precision} (--mixed-precision fp16 or bf16 to choose)", file=sys.stderr)
+    if precision == "fp16" and not torch.cuda.is_available():
+        given = "--mixed-precision fp16" if requested else "mixed_precision fp16 (from the Accelerate config)"
+        raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a word): "
+                        f"use --mixed-precision bf16")
+    return precision
+
+
+def _own_gpu_capability() -> tuple[int, int]:
+    """Compute capability of this process's GPU (LOCAL_RANK), made its current device first, as
+    Accelerate will: asking before would create a CUDA context on GPU 0 in every process."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.cuda.get_device_capability()
+
+
+def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
+    """Set how fp32 math runs in this process, for every script; returns what fp32 matmuls and
+    convolutions run in on ``device``, "tf32" or "ieee", for the start line and config.json.
+
+    - TF32 (--tf32, on by default) keeps fp32's range with a 10-bit mantissa, on the tensor cores of
+      GPUs of compute capability 8.0 and newer: several times the speed of strict fp32 matmuls, and
+      ImageNet-style training reaches the same accuracy (NVIDIA's Ampere results). torch's defaults
+      mix the two (TF32 for cuDNN convolutions, strict fp32 for matmuls); here both follow the flag.
+      CPUs and older GPUs have no TF32: "ieee" there, whatever the flag.
+    - cudnn.benchmark times cuDNN's convolution algorithms once per input shape and keeps the
+      fastest; the shapes here are fixed, so it pays from the first epoch.
+    - --deterministic: deterministic algorithms only (an op that has none raises), no algorithm
+      search, and cuBLAS with a fixed workspace, so a run and its resume repeat bit for bit on a GPU
+      too, at some cost in speed. Call this before the first matmul: cuBLAS reads
+      CUBLAS_WORKSPACE_CONFIG when it starts.
+    """
+    if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # the two values deterministic cuBLAS accepts
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    has_tf32 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return "tf32" if tf32 and has_tf32 else "ieee"

@@ -1,0 +1,138 @@
+"""The run folder: which one a run writes, and which checkpoint it continues from.
+
+A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted or SLURM
+requeued continues from the newest complete checkpoint of its folder by itself. The main process
+decides, holding the folder's lock (common/run_lock.py), and the other processes learn its decision.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list
+
+from common.checkpoints import CHECKPOINT_DIR, checkpoint_problem, latest_checkpoint, latest_good_checkpoint
+from common.errors import UserError
+from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
+
+def new_run_dir(script: str, root: str = "runs") -> Path:
+    """A folder name no earlier run has used: runs/<script>-<date>-<time>[-N]."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = Path(root) / f"{script}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"{script}-{stamp}-{n}"
+    return path
+
+
+def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | None,
+                             script: str) -> tuple[Path, Path | None]:
+    """Take the run folder's lock for this job, and find the checkpoint to continue from (None: a
+    start from step 0): the run folder and that checkpoint.
+
+    ``resume`` is None, "latest" (the newest complete checkpoint of ``output_dir``) or a checkpoint
+    folder, whose run folder is then the default ``output_dir``. A worker restarted by torchrun
+    (``accelerate launch --max_restarts N``) and a SLURM job requeued (``sbatch --requeue``; SLURM sets
+    SLURM_RESTART_COUNT) continue from the newest checkpoint of ``output_dir`` by themselves.
+    The main process takes the folder's lock for the job (``lock_run_folder``), checks the folder
+    and the checkpoints and decides; the other processes learn its decision, so all of them go on,
+    or all stop with the same line.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
+        or (output_dir is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0)
+    given = Path(resume) if resume not in (None, "latest") else None
+    if output_dir is None and given is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise UserError("a restartable launch (--max_restarts) needs --output-dir, so that a restarted worker "
+                        "finds the run's checkpoints: add --output-dir runs/NAME")
+    if resume == "latest" and output_dir is None:
+        raise UserError("--resume needs --output-dir (the folder of the run to continue) or a checkpoint: "
+                        "--resume runs/NAME/checkpoints/step_NNNNNNNN")
+    if output_dir:
+        path = Path(output_dir)
+    elif given is not None:
+        path = given.parent.parent  # runs/NAME/checkpoints/step_N
+    else:
+        path = new_run_dir(Path(script).stem)
+    path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
+    if given is not None and (not given.is_dir() or not _STEP_DIR.match(given.name)):
+        raise UserError(f"--resume {given}: not a checkpoint folder; pass runs/NAME/checkpoints/step_NNNNNNNN "
+                        f"or --resume alone for the newest checkpoint of --output-dir")
+    decision = [None, None]  # the checkpoint to continue from, or the line that stops every process
+    if accelerator.is_main_process:
+        lock = None
+        try:
+            if resume == "latest" and not restarted and not path.is_dir():
+                check_output_dir(path, resume)  # says so before the lock would create the folder
+            lock = lock_run_folder(path)
+            decision[0] = _choose_checkpoint(lock, path, given, resume, restarted)
+        except UserError as error:
+            if lock:
+                lock.release()
+            decision[1] = error.message
+    checkpoint, message = broadcast_object_list(decision)  # every process has waited for the checks
+    if message:
+        raise UserError(message)
+    return path, Path(checkpoint) if checkpoint else None  # nothing written yet, so bad input leaves nothing
+
+
+def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: str | None,
+                       restarted: bool) -> str | None:
+    """lock_run_and_find_resume's decision, on the main process, holding the lock."""
+    if given is not None:
+        problem = checkpoint_problem(given)
+        if problem:
+            raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a complete one, or "
+                            f"--resume alone for the newest complete checkpoint of --output-dir")
+        if path != given.parent.parent:
+            check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
+        return str(given)
+    if restarted:  # None: the worker died before the first checkpoint; start again in the same folder
+        return _newest_complete(path, "")
+    check_output_dir(path, resume)
+    if not resume:
+        return None
+    checkpoint = _newest_complete(path, "--resume: ")
+    if checkpoint is None:
+        # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
+        # is continued, so this run may have other flags (a smaller --batch-size after running out of
+        # memory), and config.json must become this run's. The scripts write config.json when there is
+        # none: it is set aside here and put back if this run fails before writing its own.
+        lock.set_aside_config()
+        print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first one): starting it "
+              f"again from step 0", file=sys.stderr, flush=True)
+    return checkpoint
+
+
+def _newest_complete(path: Path, prefix: str) -> str | None:
+    """The newest checkpoint that checkpoint_problem passes, with one line naming the damaged ones
+    skipped; None when there is none at all; one line (UserError) when none is complete."""
+    checkpoint, damaged = latest_good_checkpoint(path)
+    found = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged.items())
+    if damaged and checkpoint is None:
+        raise UserError(f"{prefix}no checkpoint in {path / CHECKPOINT_DIR} is complete ({found}): restore the "
+                        f"damaged files, or remove {path / CHECKPOINT_DIR} and --resume to start the run again "
+                        f"from step 0")
+    if damaged:
+        print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): resuming from "
+              f"{checkpoint}, the newest complete one", file=sys.stderr, flush=True)
+    return str(checkpoint) if checkpoint else None
+
+
+def check_output_dir(output_dir: Path, resume: str | None) -> None:
+    """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a run."""
+    if resume:
+        if not output_dir.is_dir():
+            raise UserError(f"--resume: {output_dir} does not exist; pass the --output-dir of the run "
+                            f"to continue")
+        if latest_checkpoint(output_dir) is None:
+            if (output_dir / "model.safetensors").exists():
+                raise UserError(f"--resume: the run in {output_dir} has finished (model.safetensors) and has no "
+                                f"checkpoint left to continue from; start a new run in another --output-dir")
+            if not (output_dir / "config.json").exists():
+                raise UserError(f"--resume: no complete checkpoint in {output_dir / CHECKPOINT_DIR}; "
+                                f"start a new run without --resume")
+    elif output_dir.exists() and any(p.name != LOCK_FILE for p in output_dir.iterdir()):
+        what = "a run" if (output_dir / "config.json").exists() else "files"
+        raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to continue it, "
+                        f"or choose another --output-dir")

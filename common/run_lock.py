@@ -1,0 +1,219 @@
+"""The run folder's lock: one job writes a run folder at a time, and a dead job's lock is taken over.
+
+``lock_run_folder`` takes it for the main process of a job; the kernel releases it when that process
+ends, however it ends, and the file it writes says who holds it, for the message a second job gets.
+Taking the lock registers an exit hook that releases it and a fork hook that keeps DataLoader
+workers from releasing it.
+"""
+
+import atexit
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from common.errors import UserError
+
+LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
+_SET_ASIDE = ".config.json.before-restart"  # config.json of a run started again from step 0, until replaced
+
+def lock_run_folder(folder: Path) -> "RunLock":
+    """Take the run folder's lock for this job (its main process), or stop with one line naming the
+    job that holds it.
+
+    The lock is ``flock`` on ``folder/.lock``: the kernel releases it when the process ends, however
+    it ends (SIGKILL included), and on NFS lockd carries it to the other hosts. The file says who
+    holds it (host, pid, since when, the job) for the message. A file whose lock is free was left by
+    a job that died: this one takes it over with one line, quietly when it is this job's own earlier
+    life (a worker restarted by torchrun, a SLURM job requeued). Where flock is not offered (some
+    network filesystems), the file alone is the lock: one left by a process that no longer runs on
+    this host, or by this job before a restart, is taken over; one from another host is not, as
+    nothing here can tell whether that process still runs. Released at exit (``RunLock.release``):
+    the file is removed, and so are the folders made only for it when the run wrote nothing.
+    """
+    folder = Path(folder)
+    created = [p for p in [folder, *folder.parents] if not p.exists()]
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+          "job": _job()}
+    lock = RunLock(folder, created)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        previous = lock.acquire(me)
+        lock.put_back_config()  # set aside by a job that died before it wrote its own
+    except OSError as error:
+        lock.release()
+        raise UserError(f"cannot write in {folder} ({error.strerror or error}): choose an --output-dir you can "
+                        f"write to") from None
+    except UserError:
+        lock.release()
+        raise
+    if previous and not (me["job"] and previous.get("job") == me["job"]):
+        print(f"warning: {lock.path} was left by {_holder(previous)}, which ended without releasing it; this job "
+              f"takes the run over", file=sys.stderr, flush=True)
+    return lock
+
+
+def _job() -> str | None:
+    """What stays the same when a job starts again by itself: the SLURM job id (requeued, perhaps on
+    another host), or the torchrun agent that restarts its workers; None for a plain process."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm job {os.environ['SLURM_JOB_ID']}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, agent pid {os.getppid()}"
+    return None
+
+
+def _holder(info: dict) -> str:
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')} (since {info.get('since', '?')})"
+
+
+class RunLock:
+    """The lock one job holds on its run folder; ``lock_run_folder`` takes it."""
+
+    _held: list["RunLock"] = []  # released at exit, forgotten by forked children
+    _hooked = False
+
+    def __init__(self, folder: Path, created: list[Path]):
+        self.folder, self.path, self.created = folder, folder / LOCK_FILE, created  # created: innermost first
+        self.fd, self.flock = None, True
+
+    def acquire(self, me: dict) -> dict | None:
+        """Hold the lock; returns what a dead holder left in the file (None: it was free)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = _read_holder(self.path, wait=True)
+                if holder is None:
+                    continue  # released meanwhile
+                self._refuse(holder)
+            except OSError as error:
+                os.close(fd)
+                if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                return self._acquire_without_flock(me)
+            try:  # the holder may have removed the file between our open and flock: lock the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = _read_holder(self.path)
+        self._hold(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)  # for the other hosts that read it
+        return previous
+
+    def _acquire_without_flock(self, me: dict) -> dict | None:
+        self.flock, previous = False, None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                previous = _read_holder(self.path, wait=True)
+                if previous is not None and not _ended(previous, me):
+                    self._refuse(previous)
+                self.path.unlink(missing_ok=True)
+                continue
+            self._hold(fd)
+            os.write(fd, (json.dumps(me) + "\n").encode())
+            os.fsync(fd)
+            return previous
+        self._refuse(_read_holder(self.path) or {})  # another job took it over at the same moment
+
+    def _hold(self, fd: int) -> None:
+        if not RunLock._hooked:
+            atexit.register(RunLock._release_all)
+            os.register_at_fork(after_in_child=RunLock._forget_all)  # DataLoader workers must not release it
+            RunLock._hooked = True
+        self.fd = fd
+        RunLock._held.append(self)
+
+    def _refuse(self, holder: dict) -> NoReturn:
+        elsewhere = holder.get("host") not in (None, socket.gethostname())
+        hint = f"; if that job has ended, remove {self.path}" if elsewhere else ""
+        raise UserError(f"{self.folder} is in use by another job ({_holder(holder)}): wait for it to end, or "
+                        f"choose another --output-dir{hint}")
+
+    def set_aside_config(self) -> None:
+        """Move config.json aside until this job writes its own; ``release`` puts it back otherwise."""
+        os.replace(self.folder / "config.json", self.folder / _SET_ASIDE)
+
+    def put_back_config(self) -> None:
+        """The set-aside config.json back in place, unless a new one was written."""
+        aside, config = self.folder / _SET_ASIDE, self.folder / "config.json"
+        if aside.exists():
+            if config.exists():
+                aside.unlink()
+            else:
+                os.replace(aside, config)
+
+    def release(self) -> None:
+        """Give the lock up: remove the file, then the folders made for it that stayed empty."""
+        if self.fd is not None:
+            try:
+                self.put_back_config()
+                # Removed while still locked, and only if it is ours: a job that opened it meanwhile
+                # finds the name gone (acquire) and locks a new file.
+                if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
+                    self.path.unlink()
+            except OSError:
+                pass  # the folder was moved or removed while running: nothing of ours is left there
+            os.close(self.fd)
+            self.fd = None
+            RunLock._held.remove(self)
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run wrote into it
+                break
+
+    @staticmethod
+    def _release_all() -> None:
+        for lock in list(RunLock._held):
+            lock.release()
+
+    @staticmethod
+    def _forget_all() -> None:
+        for lock in RunLock._held:
+            os.close(lock.fd)  # the child's copy only: the parent's descriptor keeps the lock
+        RunLock._held.clear()
+
+
+def _read_holder(path: Path, wait: bool = False) -> dict | None:
+    """What the lock file says; a holder that has just taken the lock may not have written yet."""
+    for _ in range(10 if wait else 1):
+        try:
+            info = json.loads(path.read_text())
+            if isinstance(info, dict):
+                return info
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            pass
+        if wait:
+            time.sleep(0.1)
+    return {} if wait else None
+
+
+def _ended(holder: dict, me: dict) -> bool:
+    """Without flock: whether the holder written in the lock file is known to have ended."""
+    if holder.get("job") and holder.get("job") == me["job"]:
+        return True  # this job before it was restarted or requeued
+    if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
+        return False  # another host: no way to know
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # runs, as another user
+    return False

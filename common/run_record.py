@@ -1,0 +1,89 @@
+"""The run record: config.json (flags, derived values, environment), metrics.jsonl, and the check
+that a resumed run is the same experiment as the run it continues."""
+
+import json
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from common.errors import UserError
+from common.files import atomic_write, write_json
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("torch", "torchvision", "accelerate", "datasets", "wandb"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs, when it runs from a git checkout."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_config(flags: dict, derived: dict) -> dict:
+    """The resolved flags, what was derived from them and the environment: config.json and wandb."""
+    return {"args": flags, **derived, "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
+
+
+# What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir
+# must hold the same data. The precision, which the Accelerate config may set, is compared on its own.
+SAME_ON_RESUME = ("classes", "image_size", "normalization", "train_size", "loader", "eval_split")
+
+
+def _precision(config: dict) -> str:
+    """The mixed precision a run trains in: train_amp.py records it; earlier versions of train_dp.py
+    had it as a flag; every other run is fp32 ("no")."""
+    return config.get("mixed_precision") or config.get("args", {}).get("mixed_precision") or "no"
+
+
+def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> None:
+    """A resumed run must be the same experiment as the run the checkpoint belongs to (its
+    config.json): the same flags (``config["args"]``, dest: value) except those in ``resumable``, the
+    same mixed precision, and the same SAME_ON_RESUME values where both runs record them."""
+    output_dir = Path(checkpoint).parent.parent
+    try:
+        saved = json.loads((output_dir / "config.json").read_text())
+        saved_flags = saved["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the run's flags "
+                        f"are unknown; start a new run") from None
+    for key, value in config["args"].items():
+        if key not in resumable and key in saved_flags and saved_flags[key] != value:
+            flag = "--" + key.replace("_", "-")
+            now, then = ("not set" if v is None else repr(v) for v in (value, saved_flags[key]))
+            raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
+                            f"resume with the same {flag} or start a new run")
+    if _precision(saved) != _precision(config):
+        raise UserError(f"--resume: the run in {output_dir} trained in mixed precision {_precision(saved)} but this "
+                        f"one would train in {_precision(config)}; resume with the script and precision of that "
+                        f"run, or start a new run")
+    for key in SAME_ON_RESUME:
+        if key in saved and key in config and saved[key] != config[key]:
+            raise UserError(f"--resume: this run's {key} would be {config[key]!r} but the run in {output_dir} "
+                            f"had {saved[key]!r}; resume with the data and the settings of that run, or start "
+                            f"a new run")
+
+
+def write_metrics(output_dir: Path, history: list[dict]) -> None:
+    """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the checkpoint."""
+    with atomic_write(Path(output_dir) / "metrics.jsonl") as f:
+        f.write("".join(json.dumps(m) + "\n" for m in history).encode())
+
+
+def write_config(accelerator, output_dir: Path, config: dict) -> None:
+    """config.json, by the main process, once per run: a resumed run keeps the record of the run
+    it continues."""
+    if accelerator.is_main_process and not (Path(output_dir) / "config.json").exists():
+        write_json(Path(output_dir) / "config.json", config)

@@ -1,0 +1,204 @@
+"""The step guard: after each optimizer step, whether every process stops (a stop signal, a diverged run).
+
+The guard only answers; the training loop acts on the answer (``Stop``): it saves the step and
+exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss
+or, in fp16, a run of skipped steps. ``announce_stop`` says which, in one line.
+"""
+
+import ctypes
+import dataclasses
+import math
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from common.checkpoints import latest_checkpoint, latest_good_checkpoint
+
+# The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
+# torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
+# for SIGUSR1 ahead of their time limit.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: stopped to be continued, not failed
+DIVERGED_EXIT_CODE = 1
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Why every process stops after the current optimizer step.
+
+    ``saves``: a stop signal; the step is saved and the run exits STOPPED_EXIT_CODE, to be resumed.
+    Otherwise the run diverged; nothing of the step is saved, ``message`` is the error line and the
+    run exits DIVERGED_EXIT_CODE.
+    """
+
+    saves: bool
+    message: str  # the signal's name, or the whole error line
+
+    @property
+    def exit_code(self) -> int:
+        return STOPPED_EXIT_CODE if self.saves else DIVERGED_EXIT_CODE
+
+
+class StepGuard:
+    """What every process must decide together after each optimizer step, without making the host
+    wait for the device every step: a NaN or infinite loss stops the run, a stop signal stops it
+    after a checkpoint.
+
+    ``check`` sums, over processes, the step's loss (non-finite if any part is) and the number of
+    processes that got a stop signal (``install_signal_handlers``: SIGTERM or SIGUSR1 set a flag and
+    nothing else), so every process gets the same answer at the same step and none is left waiting
+    in the next all-reduce. On a GPU it reads the two numbers one step later, when the device has
+    long computed them, so the host keeps queueing work ahead of the device; on a CPU they are there
+    at once. A bad step has then changed the weights in memory, but nothing of it is kept: with
+    ``now`` (a step to be saved, an epoch's end) ``check`` reads the step at once, so no
+    checkpoint, model.safetensors or metrics line ever holds it.
+    """
+
+    def __init__(self, accelerator, output_dir: Path):
+        self.accelerator, self.output_dir = accelerator, output_dir
+        self.pending = None  # (step, sums on their way to the host, event that marks their arrival)
+        self.received = None  # the first stop signal this process got, by name
+        self.stop = None  # the Stop the processes agreed on
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGUSR1 set a flag that ``check`` reads (the step in progress finishes), and
+        the kernel sends this process SIGTERM when its launcher dies (PR_SET_PDEATHSIG):
+        `accelerate launch` of one process passes no signal on. Main thread of a training process
+        only."""
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, self._on_signal)
+        _signal_when_parent_dies(signal.SIGTERM)
+
+    def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
+        self.received = self.received or signal.Signals(signum).name
+
+    def check(self, loss: torch.Tensor, step: int, now: bool = False) -> Stop | None:
+        """After optimizer step ``step`` with its ``loss``: the Stop every process agrees on, or
+        None to go on. ``now``: read this step's numbers before returning (it is to be saved)."""
+        loss = loss.detach().float()
+        signalled = torch.full_like(loss, float(self.received is not None))  # a fill, no copy
+        total = self.accelerator.reduce(torch.stack([loss, signalled]), "sum")
+        if total.is_cuda:  # a copy into pinned host memory, queued behind the step's work
+            stream, arrived = torch.cuda.current_stream(total.device), torch.cuda.Event()
+            total = total.to("cpu", non_blocking=True)
+            arrived.record(stream)
+            previous, self.pending = self.pending, (step, total, arrived)
+        else:  # the CPU has computed it already
+            previous = (step, total, None)
+        if previous:
+            self._agree(self._read(*previous))
+        if now or self.stop:  # on a GPU, the step after the signal too, before anything is saved
+            self.flush()
+        return self.stop
+
+    def signalled(self) -> Stop | None:
+        """The Stop for a signal that reached any process since the last step, asked of all of them at
+        once (it waits for the device): at the end of an epoch, for one that came during evaluation."""
+        self.flush()
+        flag = torch.tensor(float(self.received is not None), device=self.accelerator.device)
+        if self.accelerator.reduce(flag, "sum") > 0:
+            self._agree(self._signal_stop())
+        return self.stop
+
+    def flush(self) -> None:
+        """Read the newest step's numbers, if they are still on their way."""
+        if self.pending:
+            pending, self.pending = self.pending, None
+            self._agree(self._read(*pending))
+
+    def _agree(self, stop: Stop | None) -> None:
+        """A diverged step overrides a signal's stop: it must not be saved."""
+        if stop and (self.stop is None or self.stop.saves and not stop.saves):
+            self.stop = stop
+
+    def _signal_stop(self) -> Stop:
+        return Stop(True, self.received or "a stop signal to another process")
+
+    def _read(self, step: int, total: torch.Tensor, arrived) -> Stop | None:
+        if arrived is not None:
+            arrived.synchronize()
+        loss, signalled = total.tolist()
+        if math.isfinite(loss):
+            return self._signal_stop() if signalled > 0 else None
+        checkpoint = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
+        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
+                else "there is no checkpoint yet: start again with a lower --lr")
+        return Stop(False, f"error: the loss is {loss} at step {step}: training stopped and "
+                                 f"nothing of that step was saved; {then}")
+
+
+def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -> int:
+    """Say why the run stopped, from every process that must, and return its exit code.
+
+    After a stop signal: one line naming ``checkpoint`` (the step saved), the trackers closed, and
+    further stop signals ignored (the launcher's SIGTERM, once another process has exited, must not
+    kill this one while it shuts down). After divergence: the error line on every process before any
+    exits, so the launcher cannot stop one before it speaks.
+    """
+    if stop.saves:
+        accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
+                          f"{checkpoint}; the same command with --resume continues from there (exit "
+                          f"code {STOPPED_EXIT_CODE})", flush=True)
+        accelerator.end_training()
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)
+    else:
+        print(stop.message, file=sys.stderr, flush=True)
+        accelerator.wait_for_everyone()
+    return stop.exit_code
+
+
+def _signal_when_parent_dies(signum: int) -> None:
+    """Linux's PR_SET_PDEATHSIG: ``signum`` to this process when the process that started it exits,
+    as a launcher that is killed without passing its signal on does. Elsewhere nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+class SkippedSteps:
+    """fp16 steps that the GradScaler skipped because their gradients overflowed.
+
+    A skip halves the loss scale, and one now and then is normal: the scale probes upwards after
+    every 2,000 good steps. A run whose every step overflows has diverged, and nothing says so: the
+    scale halves forever and no step is applied. ``limit`` skipped steps in a row (a scale 2^-limit
+    of the one that last worked) make ``count`` return a Stop, the same in every process (DDP
+    averages the gradients before the scaler looks, so all skip alike): nothing of those steps is
+    saved, and its line names the newest checkpoint from before the skipping began.
+    """
+
+    def __init__(self, accelerator, output_dir, limit: int = 100):
+        self.accelerator, self.output_dir, self.limit = accelerator, output_dir, limit
+        self.in_epoch = self.in_a_row = 0  # the log line reports in_epoch, the count of this epoch
+
+    def figures(self) -> dict:
+        """For the epoch's record, in fp16 only: the loss scale and the steps skipped this epoch,
+        then counted again from 0 for the next epoch."""
+        if self.accelerator.scaler is None:
+            return {}
+        figures = {"loss_scale": self.accelerator.scaler.get_scale(), "skipped_steps": self.in_epoch}
+        self.in_epoch = 0
+        return figures
+
+    def count(self, step: int) -> Stop | None:
+        """After ``optimizer.step()`` of optimizer step ``step``: a Stop when the run diverged."""
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.in_a_row = 0
+            return None
+        self.in_epoch += 1
+        self.in_a_row += 1
+        if self.in_a_row < self.limit:
+            return None
+        first = step - self.in_a_row + 1
+        checkpoint = latest_checkpoint(self.output_dir, up_to=first - 1)
+        then = (f"the newest checkpoint before them is {checkpoint}: resume from it with a lower --lr or "
+                f"--clip-grad" if checkpoint else "there is no checkpoint from before them: start again with a "
+                "lower --lr, --clip-grad or --mixed-precision bf16")
+        return Stop(False, f"error: fp16 skipped {self.in_a_row} steps in a row ({first} to {step}) "
+                                 f"because the gradients overflowed at every loss scale (now "
+                                 f"{self.accelerator.scaler.get_scale():g}): training diverged and "
+                                 f"stopped; {then}")

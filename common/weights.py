@@ -1,0 +1,101 @@
+"""The final weights: model.safetensors, a plain state dict with what evaluation needs in its metadata.
+
+Training writes it at the end of a run (``save_weights``); scripts/evaluate.py reads it back
+(``load_weights``, ``read_metadata``), and so does any code that loads the weights into a plain model.
+"""
+
+import json
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from safetensors.torch import load_file
+
+from common.errors import UserError
+from common.files import atomic_write
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+
+
+def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
+    """The final weights as a plain state dict in safetensors: loads into an unwrapped model.
+
+    ``metadata`` is what evaluation needs besides the weights (the model name, the class names, the
+    normalisation, the input size); values that are not strings are stored as JSON (read_metadata).
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
+    text = {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
+    with atomic_write(path) as f:
+        f.write(safetensors.torch.save(state, metadata=text))
+
+
+def read_metadata(path: Path) -> dict:
+    """The metadata save_weights stored in a .safetensors file, JSON values decoded; empty for
+    other files and for files without metadata."""
+    if Path(path).suffix != ".safetensors":
+        return {}
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            stored = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by load_weights
+        return {}
+    decoded = {}
+    for key, value in stored.items():
+        try:
+            decoded[key] = json.loads(value)
+        except ValueError:
+            decoded[key] = value  # a plain string, e.g. the model name
+    return decoded
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from our safetensors or from a torch.save'd file of another script.
+
+    Accepts a plain state dict, one nested under "state_dict" or "model", and keys prefixed with
+    ``module.`` (saved from a DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--weights {path}: no such file")
+    try:
+        if path.suffix == ".safetensors":
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise UserError(f"--weights {path}: cannot read it ({type(error).__name__}: {error}); pass a "
+                        f".safetensors file or a torch.save'd state dict") from None
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"--weights {path}: not a state dict of tensors")
+    return strip_wrapper_prefixes(state)
+
+
+def strip_wrapper_prefixes(state: dict) -> dict:
+    """Remove the key prefixes that DataParallel/DDP (``module.``) and torch.compile add."""
+    def clean(key: str) -> str:
+        while key.startswith(_WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        return key
+    return {clean(k): v for k, v in state.items()}
+
+
+# What scripts/evaluate.py needs of a run's config.json besides the weights (model.safetensors' metadata)
+EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")
+
+
+def save_final_weights(accelerator, model, output_dir: Path, config: dict, step: int) -> Path:
+    """model.safetensors of a finished run, written by the main process: the weights of the
+    unwrapped ``model`` (unwrap_model strips DDP and DataParallel, save_weights the _orig_mod. of
+    --compile), so they load into a plain model, and in its metadata the model name, the step and
+    EVALUATION of the run's ``config``: all that scripts/evaluate.py needs besides the images."""
+    path = Path(output_dir) / "model.safetensors"
+    if accelerator.is_main_process:
+        metadata = {"model": config["args"]["model"], "step": step,
+                    "channels_last": config["args"]["channels_last"],
+                    **{key: config[key] for key in EVALUATION if key in config}}
+        save_weights(accelerator.unwrap_model(model), path, metadata)
+    return path
