@@ -1,10 +1,12 @@
-"""Checkpoints: when to save the training state, writing it whole, and finding the newest complete one.
+"""Checkpoints: when to save the training state, writing it whole, and finding the newest complete
+one.
 
 A checkpoint is one folder ``checkpoints/step_N`` of Accelerate's ``save_state``, written under a
 temporary name and renamed into place once every file is on the disk, so a process killed while
 saving leaves the previous checkpoint intact. Each ends with checkpoint.json, the list of its files
 and their sizes, which --resume checks before it trusts one (a copy that lost a file, a disk that
-filled). ``Checkpointer`` decides the cadence: the training loop calls its ``save`` after every step.
+filled). ``Checkpointer`` decides the cadence: the training loop calls its ``save`` after every
+step.
 """
 
 import json
@@ -20,7 +22,7 @@ from common.run_record import check_resume_config
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"  # a checkpoint's files and sizes, written last
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None:
@@ -36,11 +38,12 @@ def _checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:
     if not folder.is_dir():
         return []
     steps = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (up_to is None or int(m.group(1)) <= up_to)]
+             if (m := STEP_DIR.match(p.name)) and (up_to is None or int(m.group(1)) <= up_to)]
     return [p for _, p in sorted(steps, reverse=True)]
 
 
-def latest_good_checkpoint(output_dir: Path, up_to: int | None = None) -> tuple[Path | None, dict[Path, str]]:
+def latest_good_checkpoint(output_dir: Path,
+                           up_to: int | None = None) -> tuple[Path | None, dict[Path, str]]:
     """The newest checkpoint that ``checkpoint_problem`` passes (None if there is none), and the
     problem of each newer one, which it does not."""
     damaged = {}
@@ -59,10 +62,10 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     Every file its checkpoint.json lists must be there with the size it was written with, and read
     as what it is: a safetensors header that accounts for the whole file, the zip directory at the
     end of a torch.save file. That costs a few small reads whatever the size of the checkpoint;
-    checksums would read every byte (gigabytes of optimizer state) at each resume, for bit flips that
-    the storage's own checksums catch. Checkpoints of earlier versions, without checkpoint.json, are
-    checked against what save_state writes for the scripts: the model, optimizer, scheduler, the RNG
-    state of each process and the training progress.
+    checksums would read every byte (gigabytes of optimizer state) at each resume, for bit flips
+    that the storage's own checksums catch. Checkpoints of earlier versions, without
+    checkpoint.json, are checked against what save_state writes for the scripts: the model,
+    optimizer, scheduler, the RNG state of each process and the training progress.
     """
     checkpoint = Path(checkpoint)
     try:
@@ -86,12 +89,15 @@ def _files_save_state_writes(checkpoint: Path) -> dict[str, int | None]:
     """For a checkpoint without checkpoint.json: the files Accelerate's save_state writes for the
     scripts (accelerate/checkpointing.py), and any other state file in the folder; sizes unknown."""
     names = {p.name for p in checkpoint.iterdir()}
-    model = "pytorch_model.bin" if "pytorch_model.bin" in names else "model.safetensors"  # safe_serialization
-    processes = 1 + max((int(m.group(1)) for n in names if (m := re.fullmatch(r"random_states_(\d+)\.pkl", n))),
-                        default=0)
-    expected = [model, "optimizer.bin", "scheduler.bin", *(f"random_states_{i}.pkl" for i in range(processes)),
+    model = ("pytorch_model.bin" if "pytorch_model.bin" in names
+             else "model.safetensors")  # safe_serialization
+    processes = 1 + max((int(m.group(1)) for n in names
+                         if (m := re.fullmatch(r"random_states_(\d+)\.pkl", n))), default=0)
+    expected = [model, "optimizer.bin", "scheduler.bin",
+                *(f"random_states_{i}.pkl" for i in range(processes)),
                 "custom_checkpoint_0.pkl"]  # TrainProgress
-    others = sorted(n for n in names if n.endswith((".bin", ".pkl", ".pt", ".safetensors")) and n not in expected)
+    others = sorted(n for n in names
+                    if n.endswith((".bin", ".pkl", ".pt", ".safetensors")) and n not in expected)
     return dict.fromkeys([*expected, *others])
 
 
@@ -118,11 +124,13 @@ def _content_problem(f, size: int, suffix: str) -> str | None:
             if not 0 < length <= size - 8:
                 raise ValueError
             header = json.loads(f.read(length))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                      default=0)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return "is not a complete safetensors file"
         if 8 + length + end != size:
-            return f"is not a complete safetensors file ({size} bytes where its header gives {8 + length + end})"
+            return (f"is not a complete safetensors file ({size} bytes where its header gives "
+                    f"{8 + length + end})")
     elif head.startswith(b"PK\x03\x04"):  # torch.save's format since torch 1.6
         f.seek(0)
         try:
@@ -150,17 +158,20 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(partial))
-        accelerator.wait_for_everyone()  # every process's RNG state is written before the list is made
+        # every process's RNG state is written before the list is made
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            files = {p.relative_to(partial).as_posix(): p.stat().st_size for p in sorted(partial.rglob("*"))
-                     if p.is_file()}
-            write_json(partial / MANIFEST, {"step": step, "files": files})  # last: it lists all the others
+            files = {p.relative_to(partial).as_posix(): p.stat().st_size
+                     for p in sorted(partial.rglob("*")) if p.is_file()}
+            # last: it lists all the others
+            write_json(partial / MANIFEST, {"step": step, "files": files})
             fsync_tree(partial)
     except OSError as error:  # a full disk, a quota: keep the previous checkpoint and say so
         shutil.rmtree(partial, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
-        raise UserError(f"cannot write checkpoint {final} ({error.strerror or error}); the previous one, "
-                        f"{previous or 'none yet'}, is intact: free space in {folder.parent} and --resume") from None
+        raise UserError(f"cannot write checkpoint {final} ({error.strerror or error}); the "
+                        f"previous one, {previous or 'none yet'}, is intact: free space in "
+                        f"{folder.parent} and --resume") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
@@ -178,9 +189,11 @@ def load_checkpoint(accelerator, checkpoint: Path) -> None:
     """accelerator.load_state, with one line when the checkpoint does not fit this script."""
     try:
         accelerator.load_state(str(checkpoint))
-    except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met, one line and what to do
-        raise UserError(f"--resume: cannot load {checkpoint} ({first_line(error)}); it was written by another "
-                        f"script or version of it: resume with that one, or start a new run") from None
+    except Exception as error:  # noqa: BLE001
+        # whatever Accelerate or torch met, one line and what to do
+        raise UserError(f"--resume: cannot load {checkpoint} ({first_line(error)}); it was written "
+                        f"by another script or version of it: resume with that one, or start a "
+                        f"new run") from None
 
 
 def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress", config: dict,
@@ -193,7 +206,8 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
     check_resume_config(checkpoint, config, resumable)
     load_checkpoint(accelerator, checkpoint)
     progress.history = [m for m in progress.history if m["epoch_complete"]]
-    accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, step {progress.step}")
+    accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, "
+                      f"step {progress.step}")
 
 
 class Checkpointer:
@@ -207,7 +221,8 @@ class Checkpointer:
     """
 
     def __init__(self, accelerator, output_dir: Path, every: int | None, keep: int):
-        self.accelerator, self.output_dir, self.every, self.keep = accelerator, output_dir, every, keep
+        self.accelerator, self.output_dir = accelerator, output_dir
+        self.every, self.keep = every, keep
         self.last = None  # the checkpoint this run wrote last
 
     def due(self, step: int, epoch_end: bool) -> bool:
@@ -215,8 +230,8 @@ class Checkpointer:
         return epoch_end or bool(self.every) and step % self.every == 0
 
     def save(self, step: int, epoch_end: bool, stop=None) -> Path | None:
-        """Save ``step`` when it is due or ``stop`` (common.step_guard.Stop) keeps it; the folder, or
-        None when nothing was written."""
+        """Save ``step`` when it is due or ``stop`` (common.step_guard.Stop) keeps it; the folder,
+        or None when nothing was written."""
         if stop is not None and not stop.saves:  # a non-finite loss: nothing of this step is kept
             return None
         if stop is None and not self.due(step, epoch_end):
@@ -226,7 +241,8 @@ class Checkpointer:
 
 
 class TrainProgress:
-    """Where training stands, saved in every checkpoint (``accelerator.register_for_checkpointing``).
+    """Where training stands, saved in every checkpoint
+    (``accelerator.register_for_checkpointing``).
 
     ``step`` counts optimizer steps over the whole run; ``batch_in_epoch`` lets a resumed run skip
     the batches of the current epoch it has already trained on; ``history`` holds the metrics of

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from common.checkpoints import CHECKPOINT_DIR, checkpoint_problem, latest_checkpoint, latest_good_checkpoint
+from common.checkpoints import (CHECKPOINT_DIR, STEP_DIR, checkpoint_problem, latest_checkpoint,
+                                latest_good_checkpoint)
 from common.errors import UserError
 from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
 
@@ -55,7 +56,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     else:
         path = new_run_dir(Path(script).stem)
     path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
-    if given is not None and (not given.is_dir() or not _STEP_DIR.match(given.name)):
+    if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
         raise UserError(f"--resume {given}: not a checkpoint folder; pass runs/NAME/checkpoints/step_NNNNNNNN "
                         f"or --resume alone for the newest checkpoint of --output-dir")
     decision = [None, None]  # the checkpoint to continue from, or the line that stops every process

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import NoReturn

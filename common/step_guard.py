@@ -1,4 +1,5 @@
-"""The step guard: after each optimizer step, whether every process stops (a stop signal, a diverged run).
+"""The step guard: after each optimizer step, whether every process stops (a stop signal, a
+diverged run).
 
 The guard only answers; the training loop acts on the answer (``Stop``): it saves the step and
 exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss
@@ -95,8 +96,9 @@ class StepGuard:
         return self.stop
 
     def signalled(self) -> Stop | None:
-        """The Stop for a signal that reached any process since the last step, asked of all of them at
-        once (it waits for the device): at the end of an epoch, for one that came during evaluation."""
+        """The Stop for a signal that reached any process since the last step, asked of all of them
+        at once (it waits for the device): at the end of an epoch, for one that came during
+        evaluation."""
         self.flush()
         flag = torch.tensor(float(self.received is not None), device=self.accelerator.device)
         if self.accelerator.reduce(flag, "sum") > 0:
@@ -124,8 +126,8 @@ class StepGuard:
         if math.isfinite(loss):
             return self._signal_stop() if signalled > 0 else None
         checkpoint = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
-        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr" if checkpoint
-                else "there is no checkpoint yet: start again with a lower --lr")
+        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr"
+                if checkpoint else "there is no checkpoint yet: start again with a lower --lr")
         return Stop(False, f"error: the loss is {loss} at step {step}: training stopped and "
                                  f"nothing of that step was saved; {then}")
 
@@ -140,8 +142,8 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
     """
     if stop.saves:
         accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
-                          f"{checkpoint}; the same command with --resume continues from there (exit "
-                          f"code {STOPPED_EXIT_CODE})", flush=True)
+                          f"{checkpoint}; the same command with --resume continues from there "
+                          f"(exit code {STOPPED_EXIT_CODE})", flush=True)
         accelerator.end_training()
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, signal.SIG_IGN)
@@ -180,7 +182,8 @@ class SkippedSteps:
         then counted again from 0 for the next epoch."""
         if self.accelerator.scaler is None:
             return {}
-        figures = {"loss_scale": self.accelerator.scaler.get_scale(), "skipped_steps": self.in_epoch}
+        figures = {"loss_scale": self.accelerator.scaler.get_scale(),
+                   "skipped_steps": self.in_epoch}
         self.in_epoch = 0
         return figures
 
@@ -195,10 +198,11 @@ class SkippedSteps:
             return None
         first = step - self.in_a_row + 1
         checkpoint = latest_checkpoint(self.output_dir, up_to=first - 1)
-        then = (f"the newest checkpoint before them is {checkpoint}: resume from it with a lower --lr or "
-                f"--clip-grad" if checkpoint else "there is no checkpoint from before them: start again with a "
-                "lower --lr, --clip-grad or --mixed-precision bf16")
-        return Stop(False, f"error: fp16 skipped {self.in_a_row} steps in a row ({first} to {step}) "
-                                 f"because the gradients overflowed at every loss scale (now "
-                                 f"{self.accelerator.scaler.get_scale():g}): training diverged and "
-                                 f"stopped; {then}")
+        then = (f"the newest checkpoint before them is {checkpoint}: resume from it with a lower "
+                f"--lr or --clip-grad" if checkpoint
+                else "there is no checkpoint from before them: start again with a lower --lr, "
+                     "--clip-grad or --mixed-precision bf16")
+        return Stop(False, f"error: fp16 skipped {self.in_a_row} steps in a row "
+                           f"({first} to {step}) because the gradients overflowed at every loss "
+                           f"scale (now {self.accelerator.scaler.get_scale():g}): training "
+                           f"diverged and stopped; {then}")

@@ -4,7 +4,8 @@ One process per device, on one node or many. Each process holds a full copy of t
 on its own slice of every global batch, and DDP averages the gradients across processes during
 backward, so every copy takes the same optimizer step. PyTorch recommends this over
 nn.DataParallel even on one node. Without GPUs it runs on the CPU with the gloo backend, which is
-how the tests check it. Changes from train_single.py, each tagged "# DDP:" (docs/diffs/train_ddp.diff):
+how the tests check it. Changes from train_single.py, each tagged "# DDP:"
+(docs/diffs/train_ddp.diff):
 
 - Accelerate on CPU when there is no GPU (else each process trains alone) and checks that it sees
   every process the launcher started, one per GPU;
@@ -21,8 +22,9 @@ how the tests check it. Changes from train_single.py, each tagged "# DDP:" (docs
 Launch (one node; --num_processes overrides the config's count):
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_ddp.py
     torchrun --nproc_per_node 4 scripts/train_ddp.py
-    accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_ddp.py \
-        --dataset synthetic --model resnet20          # real 2-process DDP on a CPU-only machine (gloo)
+    accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 \
+        scripts/train_ddp.py --dataset synthetic --model resnet20
+                                                  # real 2-process DDP on a CPU-only machine (gloo)
 Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_configs/slurm_2nodes.sh.
 Resume: the same command plus --output-dir runs/train_ddp-... --resume.
 """

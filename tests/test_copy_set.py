@@ -1,24 +1,37 @@
 """common/ is the copy set: what a person takes along with one training script, and nothing else.
 
-At most 12 modules (the input path takes four: sources, per-sample decoding in workers, batches
-on the device, and the choice between the two), every one of them used by the training scripts,
-none reaching into bench/ (the benchmark's and the machine check's tools), and each script runs
-with common/ alone beside it.
+Each module does one job, says which in its docstring's first line, and stays under 400 lines;
+imports among them flow one way (no cycles); each script reaches only what it needs (a DDP copier
+takes no DataParallel code); none of it reaches into bench/; and a copied script trains a step in
+every layout the README names, importing the copy and nothing of this repository.
 """
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT
+import pytest
+from helpers import ROOT, user_env
 
 TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp"]
+MAX_MODULE_LINES = 400
+README = (ROOT / "README.md").read_text()
+
+
+def module_file(name: str) -> Path | None:
+    """The file of project module ``name`` (common.data.cache, common.data), None if it is none."""
+    path = ROOT / name.replace(".", "/")
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def imported_modules(path: Path) -> set[str]:
-    """The project modules (common.*, bench.*) that a file imports."""
+    """The project modules (common.*, bench.*) that a file imports, packages included."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -27,35 +40,118 @@ def imported_modules(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         else:
             continue
-        found |= {name for name in names if name.split(".")[0] in ("common", "bench")
-                  and (ROOT / (name.replace(".", "/") + ".py")).is_file()}
+        for name in names:
+            parts = name.split(".")
+            if parts[0] in ("common", "bench"):  # a module imports the packages above it too
+                found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                          if module_file(".".join(parts[:i]))}
     return found
 
 
-def test_common_is_at_most_twelve_modules_all_used_by_the_training_scripts():
-    modules = {f"common.{p.stem}" for p in (ROOT / "common").glob("*.py") if p.stem != "__init__"}
-    assert len(modules) <= 12, sorted(modules)
-    used, todo = set(), {m for s in TRAINING for m in imported_modules(ROOT / "scripts" / f"{s}.py")}
-    while todo:  # what the scripts import, and what that imports in turn
+def reached(path: Path) -> set[str]:
+    """The project modules a file imports, and what those import in turn."""
+    seen, todo = set(), imported_modules(path)
+    while todo:
         module = todo.pop()
-        used.add(module)
-        todo |= imported_modules(ROOT / (module.replace(".", "/") + ".py")) - used
-    assert used == modules, f"not used by any training script: {sorted(modules - used)}"
+        seen.add(module)
+        todo |= imported_modules(module_file(module)) - seen
+    return seen
+
+
+def common_modules() -> dict[str, Path]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in (ROOT / "common").rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def test_each_module_does_one_job_in_at_most_400_lines():
+    for name, path in common_modules().items():
+        lines = path.read_text().splitlines()
+        assert len(lines) <= MAX_MODULE_LINES, f"{name} has {len(lines)} lines: split it by job"
+        if name == "common":
+            continue  # the package's empty __init__.py
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"{name} has no docstring saying what it does"
+
+
+def test_imports_among_the_modules_flow_one_way():
+    graph = {name: {m for m in imported_modules(path) if m in common_modules()}
+             for name, path in common_modules().items()}
+
+    def cycle_from(module, path):
+        """A cycle through ``module`` reached along ``path`` (depth first), or None."""
+        if module in path:
+            return path[path.index(module):] + [module]
+        return next(filter(None, (cycle_from(m, path + [module]) for m in sorted(graph[module]))), None)
+
+    for module in graph:
+        cycle = cycle_from(module, [])
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_each_script_reaches_what_it_needs_and_a_ddp_copier_takes_no_data_parallel_code():
+    modules = set(common_modules()) - {"common"}
+    reach = {script: reached(ROOT / "scripts" / f"{script}.py") - {"common"} for script in TRAINING}
+    evaluation = reached(ROOT / "scripts" / "evaluate.py")
+    assert set().union(*reach.values(), evaluation) >= modules, \
+        f"used by no training script: {sorted(modules - set().union(*reach.values()))}"
+    assert modules - reach["train_dp"] == set(), sorted(modules - reach["train_dp"])
+    for script in ("train_single", "train_ddp", "train_amp"):
+        assert modules - reach[script] == {"common.data_parallel"}, (script, sorted(modules - reach[script]))
+    # The README says so, and that the other modules are all needed: the whole folder is copied.
+    assert "`common/data_parallel.py` is `train_dp.py`'s\nalone" in README
 
 
 def test_only_the_benchmark_and_the_machine_check_use_bench():
-    users = {p.relative_to(ROOT).as_posix() for folder in ("common", "scripts") for p in (ROOT / folder).glob("*.py")
-             if any(m.startswith("bench") for m in imported_modules(p))}
+    users = {p.relative_to(ROOT).as_posix() for folder in ("common", "scripts")
+             for p in (ROOT / folder).rglob("*.py") if any(m.startswith("bench") for m in imported_modules(p))}
     assert users == {"scripts/benchmark.py", "scripts/check_gpus.py", "scripts/gpu_check.py"}
 
 
-def test_a_copied_script_runs_with_common_alone(tmp_path):
-    """What the README tells a user to copy: one script and common/, in a folder of their own."""
-    shutil.copytree(ROOT / "common", tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "scripts" / "train_ddp.py", tmp_path / "train.py")
-    # The copy's own common/ (first on the path, as for a script run from its folder), then --help.
-    code = ("import sys; sys.path.insert(0, '.'); import runpy, common.parallel; print(common.parallel.__file__); "
-            "sys.argv = ['train.py', '--help']; runpy.run_path('train.py', run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "--dist-timeout" in done.stdout, done.stderr
-    assert done.stdout.startswith(str(tmp_path / "common" / "parallel.py")), done.stdout
+# Loaded into every Python process of a copied run (a folder on PYTHONPATH): at exit it writes
+# where each module of `common` came from, so the test sees that the copy ran, not this repository.
+PROBE = """import atexit, os, sys
+def _where():
+    files = [str(getattr(m, "__file__", None)) for n, m in list(sys.modules.items())
+             if n.split(".")[0] == "common"]
+    if files:
+        with open(os.path.join(os.environ["COPY_PROBE_OUT"], str(os.getpid())), "w") as f:
+            f.write("\\n".join(files))
+atexit.register(_where)
+"""
+# layout: (the script, where it goes in the new folder, the command, PYTHONPATH beside the probe's)
+LAYOUTS = {
+    "beside, python": ("train_single", "train.py", [sys.executable, "train.py"], []),
+    "beside, accelerate launch 2 processes": (
+        "train_ddp", "train.py", [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                                  str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2",
+                                  "train.py"], []),
+    "subfolder, PYTHONPATH=.": ("train_dp", "scripts/train.py", [sys.executable, "scripts/train.py"], ["."]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_copied_script_trains_a_step_in_each_layout_the_readme_names(tmp_path, layout):
+    script, place, command, path = LAYOUTS[layout]
+    assert "`train.py` beside\n`common/`" in README and "`PYTHONPATH=. python scripts/train.py`" in README
+    folder, probe, out = tmp_path / "project", tmp_path / "probe", tmp_path / "loaded"
+    (folder / place).parent.mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / f"{script}.py", folder / place)
+    for module in reached(ROOT / "scripts" / f"{script}.py"):  # exactly what the script reaches
+        source = module_file(module)
+        (folder / source.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, folder / source.relative_to(ROOT))
+    probe.mkdir()
+    out.mkdir()
+    (probe / "sitecustomize.py").write_text(PROBE)
+    env = user_env(PYTHONPATH=os.pathsep.join([*path, str(probe)]), COPY_PROBE_OUT=str(out))
+    done = subprocess.run([*command, "--dataset", "synthetic", "--synthetic-train-size", "64",
+                           "--synthetic-test-size", "16", "--model", "resnet20", "--batch-size", "32",
+                           "--epochs", "1", "--max-steps", "1", "--report-to", "none", "--output-dir", "run",
+                           "--cache-dir", str(tmp_path / "cache")],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "done: step 1" in done.stdout and (folder / "run" / "model.safetensors").is_file()
+    loaded = [line for report in out.iterdir() for line in report.read_text().splitlines()]
+    trainers = len(list(out.iterdir()))
+    assert trainers == (2 if "2 processes" in layout else 1), f"{trainers} processes imported common"
+    assert loaded and all(Path(file).is_relative_to(folder / "common") for file in loaded), loaded
