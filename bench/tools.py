@@ -27,12 +27,15 @@ import torchvision
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.batches import BatchTransform, channel_stats, tensor_loader
-from common.checkpoint import versions
-from common.data import ImageData, make_synthetic
+from common.run_record import versions
+from common.data.device import tensor_loader
+from common.data.splits import ImageData
+from common.data.stats import channel_stats
+from common.data.synthetic import make_synthetic
+from common.data.transform import BatchTransform
 from common.models import build_model
 from common.optim import build_optimizer
-from common.parallel import GB
+from common.tracking import GB
 
 # ----------------------------------------------------------------------------------- the machine
 
@@ -260,7 +263,7 @@ class PlainLoop:
                 loss.backward()
                 self.optimizer.step()
                 # Waits for the device at every step, so each step's time is the device's; the scripts
-                # wait a step behind (their NaN check, common/parallel.py): the same pace once running.
+                # wait a step behind (their NaN check, common/step_guard.py): the same pace once running.
                 loss.item()
                 self.steps_done += 1
                 self.step_seconds.append(time.perf_counter() - tick)
@@ -404,7 +407,7 @@ class UncheckedCIFAR10(torchvision.datasets.CIFAR10):
 
 
 class OurPipeline:
-    """common/batches.py's tensor_loader and BatchTransform, as the scripts use
+    """common/data/device.py's tensor_loader and common/data/transform.py's BatchTransform, as the scripts use
     them: the uint8 images on the device, crop, flip and normalisation a whole batch at a time."""
 
     def __init__(self, images, labels, batch_size: int, device: torch.device):

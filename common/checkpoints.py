@@ -1,5 +1,4 @@
-"""Checkpoints: when to save the training state, writing it whole, and finding the newest complete
-one.
+"""Checkpoints: when the training state is saved, writing it whole, finding the newest complete one.
 
 A checkpoint is one folder ``checkpoints/step_N`` of Accelerate's ``save_state``, written under a
 temporary name and renamed into place once every file is on the disk, so a process killed while

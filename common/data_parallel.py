@@ -27,13 +27,15 @@ def data_parallel_devices(device: torch.device) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
 
-PEER_CHECK_TIMEOUT = 60  # seconds one step of the check may take, CUDA's start on a GPU it is first to use included
-# Seconds for the checking process to start: importing torch from a cold network disk can take minutes,
-# and that is no hang between GPUs.
+# seconds one step of the check may take, CUDA's start on a GPU it is first to use included
+PEER_CHECK_TIMEOUT = 60
+# Seconds for the checking process to start: importing torch from a cold network disk can take
+# minutes, and that is no hang between GPUs.
 PEER_CHECK_START_LIMIT = 600
-PEER_ADVICE = ("DataParallel's scatter and gather copy directly between GPUs even with NCCL_P2P_DISABLE=1, so "
-               "train with NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py instead, or turn off the "
-               "IOMMU or PCIe ACS that breaks peer-to-peer (see `nvidia-smi topo -m`)")
+PEER_ADVICE = ("DataParallel's scatter and gather copy directly between GPUs even with "
+               "NCCL_P2P_DISABLE=1, so train with NCCL_P2P_DISABLE=1 accelerate launch ... "
+               "scripts/train_ddp.py instead, or turn off the IOMMU or PCIe ACS that breaks "
+               "peer-to-peer (see `nvidia-smi topo -m`)")
 
 
 def peer_copy(values: torch.Tensor, source: torch.device, target: torch.device) -> torch.Tensor:
@@ -44,13 +46,14 @@ def peer_copy(values: torch.Tensor, source: torch.device, target: torch.device) 
 
 def known_words() -> torch.Tensor:
     """4 MiB of random words, the same in every process: zeros, stale or shifted data all show."""
-    return torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    return torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(0))
 
 
 def broken_peer_copies(devices: list[torch.device],
                        started=lambda step: None) -> list[tuple[torch.device, torch.device]]:
-    """Copy a known pattern between every ordered pair of GPUs, as DataParallel's scatter (the batch)
-    and gather (the outputs) copy: the (source, target) pairs whose copy arrived different.
+    """Copy a known pattern between every ordered pair of GPUs, as DataParallel's scatter (the
+    batch) and gather (the outputs) copy: the (source, target) pairs whose copy arrived different.
     ``started`` is told each copy before it runs, so that one that hangs can be named."""
     expected, broken = known_words(), []
     for source in devices:
@@ -63,10 +66,11 @@ def broken_peer_copies(devices: list[torch.device],
 
 
 def broken_nccl_transfers(devices: list[torch.device], started=lambda step: None) -> list[str]:
-    """DataParallel's other two transfers, made with the calls it makes: the weights broadcast from the
-    first GPU (replicate: comm.broadcast_coalesced) and the gradients summed onto it (backward:
+    """DataParallel's other two transfers, made with the calls it makes: the weights broadcast from
+    the first GPU (replicate: comm.broadcast_coalesced) and the gradients summed onto it (backward:
     comm.reduce_add_coalesced). Both go through NCCL where torch has it (torch/nn/parallel/comm.py),
-    so NCCL_P2P_DISABLE=1 changes their path. The ones that arrived wrong, named as ``started`` is told."""
+    so NCCL_P2P_DISABLE=1 changes their path. The ones that arrived wrong, named as ``started`` is
+    told."""
     comm, first, n = torch.nn.parallel.comm, devices[0], len(devices)
     others = ", ".join(map(str, devices[1:]))
     expected, broken = known_words(), []
@@ -88,7 +92,8 @@ def broken_nccl_transfers(devices: list[torch.device], started=lambda step: None
 
 
 def data_parallel_transfers(devices: list[torch.device], started) -> tuple[list, list[str]]:
-    """All that DataParallel moves between GPUs, checked: (broken_peer_copies, broken_nccl_transfers)."""
+    """All that DataParallel moves between GPUs, checked: (broken_peer_copies,
+    broken_nccl_transfers)."""
     return broken_peer_copies(devices, started), broken_nccl_transfers(devices, started)
 
 
@@ -102,8 +107,8 @@ class PeerCheckFailed(Exception):
 
 
 def report_transfers(check, devices: list[torch.device], channel) -> None:
-    """In the child process: that it started, each step of ``check`` as it starts, then the result or
-    the error, sent to the parent."""
+    """In the child process: that it started, each step of ``check`` as it starts, then the result
+    or the error, sent to the parent."""
     channel.send(("ready", None))
     try:
         result = check(devices, lambda step: channel.send(("step", step)))
@@ -115,8 +120,8 @@ def report_transfers(check, devices: list[torch.device], channel) -> None:
 
 def run_transfer_check(devices: list[torch.device], timeout: float = PEER_CHECK_TIMEOUT,
                        check=data_parallel_transfers):
-    """``check(devices, started)`` run in a child process: its result, or PeerCheckFailed when one step
-    takes longer than ``timeout`` seconds or the child dies.
+    """``check(devices, started)`` run in a child process: its result, or PeerCheckFailed when one
+    step takes longer than ``timeout`` seconds or the child dies.
 
     Broken peer-to-peer can hang a transfer instead of corrupting it, and a CUDA call that hangs
     cannot be interrupted; a process can be killed. The child is spawned: a forked one cannot use
@@ -135,8 +140,8 @@ def run_transfer_check(devices: list[torch.device], timeout: float = PEER_CHECK_
             except EOFError:
                 child.join(5)
                 where = f"during {step}" if step else "before its first step"
-                raise PeerCheckFailed(f"the process checking transfers between GPUs died (exit code "
-                                      f"{child.exitcode}) {where}", step) from None
+                raise PeerCheckFailed(f"the process checking transfers between GPUs died "
+                                      f"(exit code {child.exitcode}) {where}", step) from None
             finished = kind in ("done", "failed")
             if kind == "done":
                 return value
@@ -146,8 +151,8 @@ def run_transfer_check(devices: list[torch.device], timeout: float = PEER_CHECK_
         if not ready:
             raise PeerCheckFailed(f"the process checking transfers between GPUs did not start in "
                                   f"{PEER_CHECK_START_LIMIT} s")
-        raise PeerCheckFailed(f"{step or 'the check, before its first step,'} got no answer in {timeout:g} s: "
-                              f"it hangs, as broken peer-to-peer can", step)
+        raise PeerCheckFailed(f"{step or 'the check, before its first step,'} got no answer in "
+                              f"{timeout:g} s: it hangs, as broken peer-to-peer can", step)
     finally:
         receiver.close()
         child.join(5 if finished else 0)  # a finished child exits by itself; a hung one is killed
@@ -175,15 +180,17 @@ def check_peer_copies(devices: list[torch.device], *, timeout: float = PEER_CHEC
         raise UserError(f"{failure}; {PEER_ADVICE}") from None
     if copies:
         source, target = copies[0]
-        raise UserError(f"the GPU-to-GPU copy {source} -> {target} returned wrong data: peer-to-peer copies are "
-                        f"broken on this machine; {PEER_ADVICE}")
+        raise UserError(f"the GPU-to-GPU copy {source} -> {target} returned wrong data: "
+                        f"peer-to-peer copies are broken on this machine; {PEER_ADVICE}")
     if nccl and os.environ.get("NCCL_P2P_DISABLE") == "1":
-        raise UserError(f"{nccl[0]} returned wrong data even with NCCL_P2P_DISABLE=1: NCCL is broken on this "
-                        f"machine beyond peer-to-peer; run python scripts/check_gpus.py with NCCL_DEBUG=INFO")
+        raise UserError(f"{nccl[0]} returned wrong data even with NCCL_P2P_DISABLE=1: NCCL is "
+                        f"broken on this machine beyond peer-to-peer; run python "
+                        f"scripts/check_gpus.py with NCCL_DEBUG=INFO")
     if nccl:
-        raise UserError(f"{nccl[0]} returned wrong data, though direct copies arrived intact: NCCL's peer-to-peer "
-                        f"path is broken; run with NCCL_P2P_DISABLE=1, which moves DataParallel's broadcast and "
-                        f"reduce_add off it, or use NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py")
+        raise UserError(f"{nccl[0]} returned wrong data, though direct copies arrived intact: "
+                        f"NCCL's peer-to-peer path is broken; run with NCCL_P2P_DISABLE=1, which "
+                        f"moves DataParallel's broadcast and reduce_add off it, or use "
+                        f"NCCL_P2P_DISABLE=1 accelerate launch ... scripts/train_ddp.py")
 
 
 def memory_report(devices: list[torch.device]) -> dict[str, list[float]]:
@@ -198,8 +205,10 @@ def memory_report(devices: list[torch.device]) -> dict[str, list[float]]:
     if not devices:
         return {}
     report = {"gpu_mem_alloc_gb": [round(torch.cuda.memory_allocated(d) / GB, 3) for d in devices],
-              "gpu_mem_reserved_gb": [round(torch.cuda.memory_reserved(d) / GB, 3) for d in devices],
-              "gpu_mem_peak_gb": [round(torch.cuda.max_memory_allocated(d) / GB, 3) for d in devices]}
+              "gpu_mem_reserved_gb": [round(torch.cuda.memory_reserved(d) / GB, 3)
+                                      for d in devices],
+              "gpu_mem_peak_gb": [round(torch.cuda.max_memory_allocated(d) / GB, 3)
+                                  for d in devices]}
     for device in devices:
         torch.cuda.reset_peak_memory_stats(device)
     return report

@@ -28,7 +28,8 @@ _BLOCKS_PER_STAGE = {"resnet20": 3, "resnet32": 5, "resnet56": 9}  # depth = 6n 
 
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions plus the option-A shortcut: identity, or on downsampling every second
-    pixel with the new channels zero-filled, so the shortcut has no parameters (He et al. 3.3, 4.2)."""
+    pixel with the new channels zero-filled, so the shortcut has no parameters (He et al. 3.3,
+    4.2)."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int):
         super().__init__()
@@ -90,7 +91,8 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
-    """A randomly initialised, unwrapped module: (B, 3, 32, 32) images to (B, num_classes) logits."""
+    """A randomly initialised, unwrapped module: (B, 3, 32, 32) images to (B, num_classes)
+    logits."""
     if name in _CIFAR_STEM:
         return _with_cifar_stem(_CIFAR_STEM[name](weights=None, num_classes=num_classes))
     if name in _BLOCKS_PER_STAGE:
@@ -103,7 +105,8 @@ def build_model(name: str, num_classes: int) -> nn.Module:
         if tv_name not in tv_names:
             close = difflib.get_close_matches(tv_name, tv_names, n=5)
             hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, mobilenet_v3_small"
-            raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} ({hint}); {rule}")
+            raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} "
+                            f"({hint}); {rule}")
         return torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes)
     raise UserError(f"unknown model {name!r}: choose one of {', '.join(model_names())}, "
                     f"or torchvision:NAME (e.g. torchvision:resnet50) where {rule}")

@@ -1,4 +1,4 @@
-"""Numerics: how fp32 math runs (TF32, cuDNN's search, determinism) and which 16-bit format AMP uses."""
+"""Numerics: how fp32 math runs (TF32, cuDNN's search, determinism) and AMP's 16-bit format."""
 
 import os
 import sys
@@ -9,22 +9,26 @@ from common.errors import UserError
 
 
 def choose_mixed_precision(requested: str | None) -> str:
-    """The 16-bit format to train in: ``requested`` (--mixed-precision), else the Accelerate config's
-    (accelerate launch exports it as ACCELERATE_MIXED_PRECISION), else bf16 where the hardware has it
-    (CPUs; GPUs of compute capability 8.0 and newer) and fp16 on older GPUs, which only emulate bf16
-    (torch.cuda.is_bf16_supported() says True on them). Call it before the Accelerator exists: it asks
-    about this process's GPU (LOCAL_RANK) without creating a context on another one."""
+    """The 16-bit format to train in: ``requested`` (--mixed-precision), else the Accelerate
+    config's (accelerate launch exports it as ACCELERATE_MIXED_PRECISION), else bf16 where the
+    hardware has it (CPUs; GPUs of compute capability 8.0 and newer) and fp16 on older GPUs, which
+    only emulate bf16 (torch.cuda.is_bf16_supported() says True on them). Call it before the
+    Accelerator exists: it asks about this process's GPU (LOCAL_RANK) without creating a context on
+    another one."""
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     precision = requested or configured
     if precision not in ("fp16", "bf16"):
-        precision = "fp16" if torch.cuda.is_available() and _own_gpu_capability() < (8, 0) else "bf16"
+        precision = ("fp16" if torch.cuda.is_available() and _own_gpu_capability() < (8, 0)
+                     else "bf16")
         if configured != "no" and os.environ.get("RANK", "0") == "0":
-            print(f"warning: the Accelerate config's mixed_precision {configured} is not one train_amp.py trains "
-                  f"in; training in {precision} (--mixed-precision fp16 or bf16 to choose)", file=sys.stderr)
+            print(f"warning: the Accelerate config's mixed_precision {configured} is not one "
+                  f"train_amp.py trains in; training in {precision} (--mixed-precision fp16 or "
+                  f"bf16 to choose)", file=sys.stderr)
     if precision == "fp16" and not torch.cuda.is_available():
-        given = "--mixed-precision fp16" if requested else "mixed_precision fp16 (from the Accelerate config)"
-        raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a word): "
-                        f"use --mixed-precision bf16")
+        given = ("--mixed-precision fp16" if requested
+                 else "mixed_precision fp16 (from the Accelerate config)")
+        raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a "
+                        f"word): use --mixed-precision bf16")
     return precision
 
 
@@ -52,7 +56,8 @@ def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
       CUBLAS_WORKSPACE_CONFIG when it starts.
     """
     if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # the two values deterministic cuBLAS accepts
+        # the two values deterministic cuBLAS accepts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic

@@ -21,8 +21,8 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
     """
     # A warm-up as long as the run leaves one step of decay: OneCycleLR needs both phases.
     warmup_steps = min(round(warmup_epochs * steps_per_epoch), total_steps - 1)
-    if warmup_steps == 1 and schedule == "onecycle":  # OneCycleLR divides by the warm-up's length - 1
-        warmup_steps = 0
+    if warmup_steps == 1 and schedule == "onecycle":
+        warmup_steps = 0  # OneCycleLR divides by the warm-up's length - 1
     if schedule == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=optimizer.defaults["lr"], total_steps=total_steps,

@@ -34,8 +34,8 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
 
     ``resume`` is None, "latest" (the newest complete checkpoint of ``output_dir``) or a checkpoint
     folder, whose run folder is then the default ``output_dir``. A worker restarted by torchrun
-    (``accelerate launch --max_restarts N``) and a SLURM job requeued (``sbatch --requeue``; SLURM sets
-    SLURM_RESTART_COUNT) continue from the newest checkpoint of ``output_dir`` by themselves.
+    (``accelerate launch --max_restarts N``) and a SLURM job requeued (``sbatch --requeue``; SLURM
+    sets SLURM_RESTART_COUNT) continue from the newest checkpoint of ``output_dir`` by themselves.
     The main process takes the folder's lock for the job (``lock_run_folder``), checks the folder
     and the checkpoints and decides; the other processes learn its decision, so all of them go on,
     or all stop with the same line.
@@ -43,22 +43,25 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
         or (output_dir is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0)
     given = Path(resume) if resume not in (None, "latest") else None
-    if output_dir is None and given is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        raise UserError("a restartable launch (--max_restarts) needs --output-dir, so that a restarted worker "
-                        "finds the run's checkpoints: add --output-dir runs/NAME")
+    if output_dir is None and given is None \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise UserError("a restartable launch (--max_restarts) needs --output-dir, so that a "
+                        "restarted worker finds the run's checkpoints: add --output-dir runs/NAME")
     if resume == "latest" and output_dir is None:
-        raise UserError("--resume needs --output-dir (the folder of the run to continue) or a checkpoint: "
-                        "--resume runs/NAME/checkpoints/step_NNNNNNNN")
+        raise UserError("--resume needs --output-dir (the folder of the run to continue) or a "
+                        "checkpoint: --resume runs/NAME/checkpoints/step_NNNNNNNN")
     if output_dir:
         path = Path(output_dir)
     elif given is not None:
         path = given.parent.parent  # runs/NAME/checkpoints/step_N
     else:
         path = new_run_dir(Path(script).stem)
-    path = Path(broadcast_object_list([str(path)])[0])  # processes started a second apart must agree
+    # processes started a second apart must agree
+    path = Path(broadcast_object_list([str(path)])[0])
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
-        raise UserError(f"--resume {given}: not a checkpoint folder; pass runs/NAME/checkpoints/step_NNNNNNNN "
-                        f"or --resume alone for the newest checkpoint of --output-dir")
+        raise UserError(f"--resume {given}: not a checkpoint folder; pass "
+                        f"runs/NAME/checkpoints/step_NNNNNNNN or --resume alone for the newest "
+                        f"checkpoint of --output-dir")
     decision = [None, None]  # the checkpoint to continue from, or the line that stops every process
     if accelerator.is_main_process:
         lock = None
@@ -74,7 +77,8 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     checkpoint, message = broadcast_object_list(decision)  # every process has waited for the checks
     if message:
         raise UserError(message)
-    return path, Path(checkpoint) if checkpoint else None  # nothing written yet, so bad input leaves nothing
+    # nothing written yet, so bad input leaves nothing
+    return path, Path(checkpoint) if checkpoint else None
 
 
 def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: str | None,
@@ -83,12 +87,14 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
     if given is not None:
         problem = checkpoint_problem(given)
         if problem:
-            raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a complete one, or "
-                            f"--resume alone for the newest complete checkpoint of --output-dir")
+            raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
+                            f"complete one, or --resume alone for the newest complete checkpoint "
+                            f"of --output-dir")
         if path != given.parent.parent:
             check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
         return str(given)
-    if restarted:  # None: the worker died before the first checkpoint; start again in the same folder
+    # None: the worker died before the first checkpoint; start again in the same folder
+    if restarted:
         return _newest_complete(path, "")
     check_output_dir(path, resume)
     if not resume:
@@ -96,12 +102,12 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
     checkpoint = _newest_complete(path, "--resume: ")
     if checkpoint is None:
         # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
-        # is continued, so this run may have other flags (a smaller --batch-size after running out of
-        # memory), and config.json must become this run's. The scripts write config.json when there is
-        # none: it is set aside here and put back if this run fails before writing its own.
+        # is continued, so this run may have other flags (a smaller --batch-size after running out
+        # of memory), and config.json must become this run's. The scripts write config.json when
+        # there is none: it is set aside here and put back if this run fails before writing its own.
         lock.set_aside_config()
-        print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first one): starting it "
-              f"again from step 0", file=sys.stderr, flush=True)
+        print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
+              f"one): starting it again from step 0", file=sys.stderr, flush=True)
     return checkpoint
 
 
@@ -111,29 +117,31 @@ def _newest_complete(path: Path, prefix: str) -> str | None:
     checkpoint, damaged = latest_good_checkpoint(path)
     found = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged.items())
     if damaged and checkpoint is None:
-        raise UserError(f"{prefix}no checkpoint in {path / CHECKPOINT_DIR} is complete ({found}): restore the "
-                        f"damaged files, or remove {path / CHECKPOINT_DIR} and --resume to start the run again "
-                        f"from step 0")
+        raise UserError(f"{prefix}no checkpoint in {path / CHECKPOINT_DIR} is complete ({found}): "
+                        f"restore the damaged files, or remove {path / CHECKPOINT_DIR} and "
+                        f"--resume to start the run again from step 0")
     if damaged:
-        print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): resuming from "
-              f"{checkpoint}, the newest complete one", file=sys.stderr, flush=True)
+        print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): "
+              f"resuming from {checkpoint}, the newest complete one", file=sys.stderr, flush=True)
     return str(checkpoint) if checkpoint else None
 
 
 def check_output_dir(output_dir: Path, resume: str | None) -> None:
-    """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a run."""
+    """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a
+    run."""
     if resume:
         if not output_dir.is_dir():
-            raise UserError(f"--resume: {output_dir} does not exist; pass the --output-dir of the run "
-                            f"to continue")
+            raise UserError(f"--resume: {output_dir} does not exist; pass the --output-dir of the "
+                            f"run to continue")
         if latest_checkpoint(output_dir) is None:
             if (output_dir / "model.safetensors").exists():
-                raise UserError(f"--resume: the run in {output_dir} has finished (model.safetensors) and has no "
-                                f"checkpoint left to continue from; start a new run in another --output-dir")
+                raise UserError(f"--resume: the run in {output_dir} has finished "
+                                f"(model.safetensors) and has no checkpoint left to continue from; "
+                                f"start a new run in another --output-dir")
             if not (output_dir / "config.json").exists():
-                raise UserError(f"--resume: no complete checkpoint in {output_dir / CHECKPOINT_DIR}; "
-                                f"start a new run without --resume")
+                raise UserError(f"--resume: no complete checkpoint in "
+                                f"{output_dir / CHECKPOINT_DIR}; start a new run without --resume")
     elif output_dir.exists() and any(p.name != LOCK_FILE for p in output_dir.iterdir()):
         what = "a run" if (output_dir / "config.json").exists() else "files"
-        raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to continue it, "
-                        f"or choose another --output-dir")
+        raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to "
+                        f"continue it, or choose another --output-dir")

@@ -1,4 +1,4 @@
-"""The run folder's lock: one job writes a run folder at a time, and a dead job's lock is taken over.
+"""The run folder's lock: one job writes a run folder at a time; a dead job's lock is taken over.
 
 ``lock_run_folder`` takes it for the main process of a job; the kernel releases it when that process
 ends, however it ends, and the file it writes says who holds it, for the message a second job gets.
@@ -20,7 +20,8 @@ from typing import NoReturn
 from common.errors import UserError
 
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
-_SET_ASIDE = ".config.json.before-restart"  # config.json of a run started again from step 0, until replaced
+# config.json of a run started again from step 0, until replaced
+_SET_ASIDE = ".config.json.before-restart"
 
 def lock_run_folder(folder: Path) -> "RunLock":
     """Take the run folder's lock for this job (its main process), or stop with one line naming the
@@ -38,8 +39,8 @@ def lock_run_folder(folder: Path) -> "RunLock":
     """
     folder = Path(folder)
     created = [p for p in [folder, *folder.parents] if not p.exists()]
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-          "job": _job()}
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": _job()}
     lock = RunLock(folder, created)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -47,14 +48,14 @@ def lock_run_folder(folder: Path) -> "RunLock":
         lock.put_back_config()  # set aside by a job that died before it wrote its own
     except OSError as error:
         lock.release()
-        raise UserError(f"cannot write in {folder} ({error.strerror or error}): choose an --output-dir you can "
-                        f"write to") from None
+        raise UserError(f"cannot write in {folder} ({error.strerror or error}): choose an "
+                        f"--output-dir you can write to") from None
     except UserError:
         lock.release()
         raise
     if previous and not (me["job"] and previous.get("job") == me["job"]):
-        print(f"warning: {lock.path} was left by {_holder(previous)}, which ended without releasing it; this job "
-              f"takes the run over", file=sys.stderr, flush=True)
+        print(f"warning: {lock.path} was left by {_holder(previous)}, which ended without "
+              f"releasing it; this job takes the run over", file=sys.stderr, flush=True)
     return lock
 
 
@@ -64,7 +65,8 @@ def _job() -> str | None:
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm job {os.environ['SLURM_JOB_ID']}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, agent pid {os.getppid()}"
+        return (f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, "
+                f"agent pid {os.getppid()}")
     return None
 
 
@@ -79,7 +81,8 @@ class RunLock:
     _hooked = False
 
     def __init__(self, folder: Path, created: list[Path]):
-        self.folder, self.path, self.created = folder, folder / LOCK_FILE, created  # created: innermost first
+        # created: innermost first
+        self.folder, self.path, self.created = folder, folder / LOCK_FILE, created
         self.fd, self.flock = None, True
 
     def acquire(self, me: dict) -> dict | None:
@@ -99,7 +102,8 @@ class RunLock:
                 if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
                 return self._acquire_without_flock(me)
-            try:  # the holder may have removed the file between our open and flock: lock the new one
+            # the holder may have removed the file between our open and flock: lock the new one
+            try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
@@ -133,7 +137,8 @@ class RunLock:
     def _hold(self, fd: int) -> None:
         if not RunLock._hooked:
             atexit.register(RunLock._release_all)
-            os.register_at_fork(after_in_child=RunLock._forget_all)  # DataLoader workers must not release it
+            # DataLoader workers must not release it
+            os.register_at_fork(after_in_child=RunLock._forget_all)
             RunLock._hooked = True
         self.fd = fd
         RunLock._held.append(self)
@@ -141,11 +146,12 @@ class RunLock:
     def _refuse(self, holder: dict) -> NoReturn:
         elsewhere = holder.get("host") not in (None, socket.gethostname())
         hint = f"; if that job has ended, remove {self.path}" if elsewhere else ""
-        raise UserError(f"{self.folder} is in use by another job ({_holder(holder)}): wait for it to end, or "
-                        f"choose another --output-dir{hint}")
+        raise UserError(f"{self.folder} is in use by another job ({_holder(holder)}): wait for it "
+                        f"to end, or choose another --output-dir{hint}")
 
     def set_aside_config(self) -> None:
-        """Move config.json aside until this job writes its own; ``release`` puts it back otherwise."""
+        """Move config.json aside until this job writes its own; ``release`` puts it back
+        otherwise."""
         os.replace(self.folder / "config.json", self.folder / _SET_ASIDE)
 
     def put_back_config(self) -> None:

@@ -1,5 +1,7 @@
-"""The run record: config.json (flags, derived values, environment), metrics.jsonl, and the check
-that a resumed run is the same experiment as the run it continues."""
+"""The run record: config.json and metrics.jsonl, and the check that a resume is the same run.
+
+config.json holds the flags, the values derived from them and the environment; metrics.jsonl
+one line per epoch; a resumed run must be the same experiment as the run it continues."""
 
 import json
 import platform
@@ -25,8 +27,8 @@ def versions() -> dict[str, str]:
 def git_commit() -> str | None:
     """The commit of the code that runs, when it runs from a git checkout."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10)
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -34,11 +36,13 @@ def git_commit() -> str | None:
 
 def run_config(flags: dict, derived: dict) -> dict:
     """The resolved flags, what was derived from them and the environment: config.json and wandb."""
-    return {"args": flags, **derived, "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
+    return {"args": flags, **derived, "versions": versions(), "git_commit": git_commit(),
+            "command": sys.argv}
 
 
 # What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir
-# must hold the same data. The precision, which the Accelerate config may set, is compared on its own.
+# must hold the same data. The precision, which the Accelerate config may set, is compared on its
+# own.
 SAME_ON_RESUME = ("classes", "image_size", "normalization", "train_size", "loader", "eval_split")
 
 
@@ -50,15 +54,15 @@ def _precision(config: dict) -> str:
 
 def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> None:
     """A resumed run must be the same experiment as the run the checkpoint belongs to (its
-    config.json): the same flags (``config["args"]``, dest: value) except those in ``resumable``, the
-    same mixed precision, and the same SAME_ON_RESUME values where both runs record them."""
+    config.json): the same flags (``config["args"]``, dest: value) except those in ``resumable``,
+    the same mixed precision, and the same SAME_ON_RESUME values where both runs record them."""
     output_dir = Path(checkpoint).parent.parent
     try:
         saved = json.loads((output_dir / "config.json").read_text())
         saved_flags = saved["args"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the run's flags "
-                        f"are unknown; start a new run") from None
+        raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the "
+                        f"run's flags are unknown; start a new run") from None
     for key, value in config["args"].items():
         if key not in resumable and key in saved_flags and saved_flags[key] != value:
             flag = "--" + key.replace("_", "-")
@@ -66,18 +70,19 @@ def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> 
             raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
                             f"resume with the same {flag} or start a new run")
     if _precision(saved) != _precision(config):
-        raise UserError(f"--resume: the run in {output_dir} trained in mixed precision {_precision(saved)} but this "
-                        f"one would train in {_precision(config)}; resume with the script and precision of that "
-                        f"run, or start a new run")
+        raise UserError(f"--resume: the run in {output_dir} trained in mixed precision "
+                        f"{_precision(saved)} but this one would train in {_precision(config)}; "
+                        f"resume with the script and precision of that run, or start a new run")
     for key in SAME_ON_RESUME:
         if key in saved and key in config and saved[key] != config[key]:
-            raise UserError(f"--resume: this run's {key} would be {config[key]!r} but the run in {output_dir} "
-                            f"had {saved[key]!r}; resume with the data and the settings of that run, or start "
-                            f"a new run")
+            raise UserError(f"--resume: this run's {key} would be {config[key]!r} but the run in "
+                            f"{output_dir} had {saved[key]!r}; resume with the data and the "
+                            f"settings of that run, or start a new run")
 
 
 def write_metrics(output_dir: Path, history: list[dict]) -> None:
-    """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the checkpoint."""
+    """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the
+    checkpoint."""
     with atomic_write(Path(output_dir) / "metrics.jsonl") as f:
         f.write("".join(json.dumps(m) + "\n" for m in history).encode())
 

@@ -1,5 +1,4 @@
-"""The step guard: after each optimizer step, whether every process stops (a stop signal, a
-diverged run).
+"""The step guard: after each optimizer step, whether every process stops, and why.
 
 The guard only answers; the training loop acts on the answer (``Stop``): it saves the step and
 exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss

@@ -42,13 +42,15 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-def start_tracking(accelerator, config: dict, output_dir: Path, progress, project: str | None = None,
-                   name: str | None = None, tags: list[str] | None = None, group: str | None = None) -> None:
+def start_tracking(accelerator, config: dict, output_dir: Path, progress,
+                   project: str | None = None, name: str | None = None,
+                   tags: list[str] | None = None, group: str | None = None) -> None:
     """Start (or, on resume, continue) the job's wandb run; a no-op when the Accelerator was made
     without ``log_with="wandb"``.
 
     ``project``, ``name``, ``tags`` and ``group`` win over the standard WANDB_PROJECT / WANDB_NAME /
-    WANDB_TAGS / WANDB_RUN_GROUP variables only when given, so those keep working; so does WANDB_DIR.
+    WANDB_TAGS / WANDB_RUN_GROUP variables only when given, so those keep working; so does
+    WANDB_DIR.
     """
     if not accelerator.log_with:
         return
@@ -58,11 +60,14 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress, projec
         os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
     if accelerator.is_main_process and progress.tracker_run_id is None:
         # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
-        progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-    init = {"id": progress.tracker_run_id, "resume": "allow", "dir": os.environ.get("WANDB_DIR", str(output_dir))}
+        progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                                          for _ in range(8))
+    init = {"id": progress.tracker_run_id, "resume": "allow",
+            "dir": os.environ.get("WANDB_DIR", str(output_dir))}
     if not os.environ.get("WANDB_INIT_TIMEOUT"):  # the other processes wait for this one meanwhile
         init["settings"] = {"init_timeout": START_TIMEOUT}
-    init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items() if value})
+    init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items()
+                 if value})
     project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
     try:
         accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
@@ -71,12 +76,13 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress, projec
         return
     if offline_by_default:
         run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
-        accelerator.print(f"wandb: no API key configured, so this run is logged offline to {run_dir}; "
-                          f"upload it with: wandb sync {run_dir}")
+        accelerator.print(f"wandb: no API key configured, so this run is logged offline to "
+                          f"{run_dir}; upload it with: wandb sync {run_dir}")
 
 
 def track(accelerator, values: dict, step: int) -> None:
-    """Log ``values`` at the global optimizer ``step`` (main process); lists become key/0, key/1..."""
+    """Log ``values`` at the global optimizer ``step`` (main process); lists become key/0,
+    key/1..."""
     if not accelerator.trackers:
         return
     flat = {}
@@ -111,12 +117,14 @@ class StepLogger:
         self.last_step, self.last_time = None, time.perf_counter()
 
     def log(self, step: int, loss, lr: float) -> None:
-        if not (self.accelerator.is_main_process and self.accelerator.trackers) or step % self.every:
+        if not (self.accelerator.is_main_process and self.accelerator.trackers) \
+                or step % self.every:
             return
         now = time.perf_counter()
         values = {"train/loss": loss.item(), "train/lr": lr}
         if self.last_step is not None:  # the first interval would include start-up time
-            values["train/img_per_s"] = (step - self.last_step) * self.batch_size / (now - self.last_time)
+            values["train/img_per_s"] = ((step - self.last_step) * self.batch_size
+                                         / (now - self.last_time))
         track(self.accelerator, values, step)
         self.last_step, self.last_time = step, now
 
@@ -132,19 +140,21 @@ def _give_up(accelerator, why: str) -> None:
 
 
 # Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
-OPTIONAL_FIELDS = ("loss_scale", "skipped_steps", "gpu_mem_alloc_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb")
+OPTIONAL_FIELDS = ("loss_scale", "skipped_steps", "gpu_mem_alloc_gb", "gpu_mem_reserved_gb",
+                   "gpu_mem_peak_gb")
 
 
 def log_line(m: dict) -> str:
     """The one greppable line per epoch, in the vocabulary of metrics.jsonl."""
-    line = (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} lr={m['lr']:.4g} "
-            f"train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
+    line = (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} "
+            f"lr={m['lr']:.4g} train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
             f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
             f"data_wait_frac={m['data_wait_frac']:.3f}")
     for key in OPTIONAL_FIELDS:
         if key in m:  # a list holds one value per GPU: gpu_mem_peak_gb=5.21,3.02
             value = m[key]
-            line += f" {key}=" + (",".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:g}")
+            line += f" {key}=" + (",".join(f"{v:.2f}" for v in value) if isinstance(value, list)
+                                  else f"{value:g}")
     return line
 
 
@@ -154,15 +164,19 @@ def start_line(script: str, where: str, config: dict, output_dir: Path) -> str:
     args = config["args"]
     precision = f"{config['mixed_precision']} " if "mixed_precision" in config else ""
     accumulated = f" x {config['grad_accum']} micro-batches" if config["grad_accum"] > 1 else ""
-    batch = f"batch {config['global_batch_size']} ({config['per_device_batch_size']} per device{accumulated})"
-    numerics = f"fp32 math {config['fp32_precision']}" + (" (deterministic)" if args["deterministic"] else "")
+    batch = (f"batch {config['global_batch_size']} "
+             f"({config['per_device_batch_size']} per device{accumulated})")
+    numerics = (f"fp32 math {config['fp32_precision']}"
+                + (" (deterministic)" if args["deterministic"] else ""))
     workers = config.get("loader_workers") or 0
-    per_process = f", {workers} worker{'s' * (workers != 1)} per process" if config["loader"] == "workers" else ""
-    data = (f"{config['train_size']} training images ({config['data']}), {config['image_size'][0]}px, loader "
-            f"{config['loader']}{per_process} ({config['loader_reason']})")
+    per_process = (f", {workers} worker{'s' * (workers != 1)} per process"
+                   if config["loader"] == "workers" else "")
+    data = (f"{config['train_size']} training images ({config['data']}), "
+            f"{config['image_size'][0]}px, loader {config['loader']}{per_process} "
+            f"({config['loader_reason']})")
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
-    return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, {numerics}, {data}, "
-            f"{steps}, record in {output_dir}")
+    return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "
+            f"{numerics}, {data}, {steps}, record in {output_dir}")
 
 
 class EpochMeter:
@@ -175,7 +189,8 @@ class EpochMeter:
 
     def start(self) -> None:
         """Before the epoch's first batch."""
-        self.loss_sum, self.steps, self.began = torch.zeros((), device=self.device), 0, time.perf_counter()
+        self.loss_sum, self.steps, self.began = (torch.zeros((), device=self.device), 0,
+                                                 time.perf_counter())
         self.wait.start()
 
     def add(self, loss: torch.Tensor) -> None:
@@ -189,7 +204,8 @@ class EpochMeter:
         the time is true."""
         train_loss = (self.loss_sum if loss_sum is None else loss_sum).item() / self.steps
         seconds = time.perf_counter() - self.began
-        return {"train_loss": train_loss, "epoch_time_s": seconds, "img_per_s": self.steps * self.batch_size / seconds,
+        return {"train_loss": train_loss, "epoch_time_s": seconds,
+                "img_per_s": self.steps * self.batch_size / seconds,
                 "data_wait_frac": self.wait.seconds() / seconds}
 
 
@@ -240,6 +256,7 @@ def peak_memory(accelerator) -> dict[str, list[float]]:
     process (gathered, so every process must call it); empty on a CPU."""
     if accelerator.device.type != "cuda":
         return {}
-    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB], device=accelerator.device)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB],
+                        device=accelerator.device)
     torch.cuda.reset_peak_memory_stats(accelerator.device)
     return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}

@@ -1,7 +1,8 @@
-"""The final weights: model.safetensors, a plain state dict with what evaluation needs in its metadata.
+"""The final weights: model.safetensors, a plain state dict with what evaluation needs.
 
 Training writes it at the end of a run (``save_weights``); scripts/evaluate.py reads it back
-(``load_weights``, ``read_metadata``), and so does any code that loads the weights into a plain model.
+(``load_weights``, ``read_metadata``), and so does any code that loads the weights into a plain
+model.
 """
 
 import json
@@ -24,8 +25,10 @@ def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
     ``metadata`` is what evaluation needs besides the weights (the model name, the class names, the
     normalisation, the input size); values that are not strings are stored as JSON (read_metadata).
     """
-    state = {k: v.detach().cpu().contiguous() for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
-    text = {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
+    state = {k: v.detach().cpu().contiguous()
+             for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
+    text = {key: value if isinstance(value, str) else json.dumps(value)
+            for key, value in metadata.items()}
     with atomic_write(path) as f:
         f.write(safetensors.torch.save(state, metadata=text))
 
@@ -64,8 +67,8 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise UserError(f"--weights {path}: cannot read it ({type(error).__name__}: {error}); pass a "
-                        f".safetensors file or a torch.save'd state dict") from None
+        raise UserError(f"--weights {path}: cannot read it ({type(error).__name__}: {error}); "
+                        f"pass a .safetensors file or a torch.save'd state dict") from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -83,7 +86,8 @@ def strip_wrapper_prefixes(state: dict) -> dict:
     return {clean(k): v for k, v in state.items()}
 
 
-# What scripts/evaluate.py needs of a run's config.json besides the weights (model.safetensors' metadata)
+# What scripts/evaluate.py needs of a run's config.json besides the weights (model.safetensors'
+# metadata)
 EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")
 
 

@@ -23,7 +23,7 @@ Checks (--checks), the project's speed targets, each a ratio of two things measu
                 batch, channels_last layout and cuDNN search, data on the device; bench/tools.py PlainLoop)
     data        tensor_loader + BatchTransform >= 5 x torchvision's CIFAR10 with PIL transforms and a
                 DataLoader with 2 workers; data wait < 2 % of train_single's step time
-    loader      the workers path (common.images.worker_loader + the normalisation on the device) >= 1.5 x
+    loader      the workers path (common.data.workers.worker_loader + the normalisation on the device) >= 1.5 x
                 torchvision's ImageFolder with PIL transforms, same workers and batch, on JPEGs of ImageNet's
                 sizes the benchmark writes (bench/loaders.py), 224 px crops
     workers     data wait of train_single --loader workers, reported: the `single` row's model at 32 px
@@ -60,11 +60,12 @@ from pathlib import Path
 import torch
 
 from bench import loaders, steptimer, tools
-from common.checkpoint import new_run_dir, write_json
+from common.files import write_json
+from common.run_folder import new_run_dir
 from common.cli import Parser, check_folder
-from common.data import make_synthetic
+from common.data.synthetic import make_synthetic
+from common.data.workers import default_workers
 from common.errors import UserError
-from common.images import default_workers
 from common.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

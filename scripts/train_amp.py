@@ -85,8 +85,8 @@ def build_accelerator(args) -> Accelerator:
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
-        # AMP: prepare() autocasts the forward in fp16 or bf16 (refused where it cannot work); fp16
-        mixed_precision=choose_mixed_precision(args.mixed_precision),  # AMP: adds a GradScaler
+        # AMP: prepare() autocasts the forward in fp16 or bf16 (refused where it cannot work)
+        mixed_precision=choose_mixed_precision(args.mixed_precision),  # AMP: fp16: a GradScaler
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(

@@ -101,7 +101,8 @@ class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU, run
 def build_accelerator(args) -> Accelerator:
     require_single_process(__file__)
     if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
-        raise UserError(f"--compile {args.compile}: not with DataParallel: use train_ddp.py")
+        raise UserError(f"--compile {args.compile}: not offered with DataParallel: use "
+                        f"train_ddp.py --compile")
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
