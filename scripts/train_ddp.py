@@ -190,12 +190,10 @@ def main(args):
             meter.add(step_loss)
             # The epoch's last whole optimizer step: micro-batches left over wait for the next.
             epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
-            # None, or a stop signal or a non-finite loss: read at once for a step to be saved,
-            # else (on a GPU) a step later, so that the host does not wait for the device.
+            # None, a stop signal or a non-finite loss; read a step late on a GPU unless it is saved
             stop = guard.check(step_loss, progress.step, checkpointer.due(progress.step, epoch_end))
             step_logger.log(progress.step, step_loss, lr)
             step_loss = 0
-
             # ------------------------------------- the epoch's end: evaluate, record the epoch
             if epoch_end and (stop is None or stop.saves):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
