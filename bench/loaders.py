@@ -1,6 +1,7 @@
 """The input pipelines at ImageNet sizes, for scripts/benchmark.py's loader check: the training
-scripts' workers path (common.images) against torchvision's ImageFolder with PIL transforms, on an
-image folder of JPEGs this module writes, with the same DataLoader workers and batch size.
+scripts' workers path (common.data.workers) against torchvision's ImageFolder with PIL
+transforms, on an image folder of JPEGs this module writes, with the same DataLoader workers and
+batch size.
 
     ours          worker_loader over the folder's FileSplit (decode_image, a random-resized crop
                   and flip per sample with transforms.v2.functional, uint8 channels_last
@@ -22,9 +23,10 @@ import torchvision
 from torch.utils.data import DataLoader
 
 from bench import tools
-from common.batches import BatchTransform
-from common.data import ImageData, open_source
-from common.images import worker_loader
+from common.data.sources import open_source
+from common.data.splits import ImageData
+from common.data.transform import BatchTransform
+from common.data.workers import worker_loader
 
 # ImageNet's training images: mostly 300-500 px a side (500 x 375 the most common), JPEG at quality
 # about 90, ~110 KB each. Ours: each side drawn from SIDES, so mixed aspect ratios, at JPEG_QUALITY.
@@ -87,12 +89,12 @@ def _image(pixels: torch.Tensor) -> PIL.Image.Image:
 # ------------------------------------------------------------------------------- the pipelines
 
 class WorkersPipeline:
-    """The training scripts' --loader workers at 224 px: common.images.worker_loader over the
-    folder's training FileSplit (as common.inputs builds it), normalised on the device by
+    """The training scripts' --loader workers at 224 px: common.data.workers.worker_loader over
+    the folder's training FileSplit (as common.inputs builds it), normalised on the device by
     BatchTransform(augment=False) with the scripts' default channels_last."""
 
     def __init__(self, root: Path, batch_size: int, workers: int, device: torch.device):
-        split = open_source(data_dir=str(root)).train  # a common.data.FileSplit of the JPEG files
+        split = open_source(data_dir=str(root)).train  # a common.data.splits.FileSplit of JPEGs
         self.loader = worker_loader(split, SIZE, batch_size, train=True, workers=workers,
                                     pin_memory=device.type == "cuda")
         self.transform = BatchTransform([255 * m for m in IMAGENET_MEAN], [255 * s for s in IMAGENET_STD],

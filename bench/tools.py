@@ -27,7 +27,6 @@ import torchvision
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.run_record import versions
 from common.data.device import tensor_loader
 from common.data.splits import ImageData
 from common.data.stats import channel_stats
@@ -35,6 +34,7 @@ from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.models import build_model
 from common.optim import build_optimizer
+from common.run_record import versions
 from common.tracking import GB
 
 # ----------------------------------------------------------------------------------- the machine

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torchvision
 
-from common.data import check_dataset_name
+from common.data.options import DataOptions
+from common.data.sources import check_dataset_name
 from common.errors import UserError
 from common.models import TORCHVISION_PREFIX, build_model, model_names
 
@@ -25,9 +26,10 @@ MAX_DIST_TIMEOUT = 10**9
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
-RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir", "keep_checkpoints",
-                             "report_to", "wandb_project", "run_name", "wandb_tags", "wandb_group", "log_every",
-                             "checkpoint_every", "compile", "loader", "workers", "loader_budget", "bad_images"})
+RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir",
+                             "keep_checkpoints", "report_to", "wandb_project", "run_name",
+                             "wandb_tags", "wandb_group", "log_every", "checkpoint_every",
+                             "compile", "loader", "workers", "loader_budget", "bad_images"})
 
 
 class Parser(argparse.ArgumentParser):
@@ -47,91 +49,108 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     train = parser.add_argument_group("training")
     train.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
-                       help="random crop and horizontal flip of training images: padded by 4 and cropped, or, "
-                            "through --loader workers above 64px, random-resized crops (default: on)")
+                       help="random crop and horizontal flip of training images: up to 64px "
+                            "padded by 4 and cropped, above 64px random-resized crops, with "
+                            "either --loader (default: on)")
     train.add_argument("--model", default="resnet18",
-                       help=f"one of {', '.join(model_names())}, or torchvision:NAME for any torchvision "
-                            "classifier with its ImageNet stem (default: %(default)s)")
+                       help=f"one of {', '.join(model_names())}, or torchvision:NAME for any "
+                            "torchvision classifier with its ImageNet stem (default: %(default)s)")
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                       help="NHWC memory format for the model and its batches: faster convolutions on tensor "
-                            "cores and in oneDNN on CPUs (default: on)")
+                       help="NHWC memory format for the model and its batches: faster convolutions "
+                            "on tensor cores and in oneDNN on CPUs (default: on)")
     train.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
-                       help="fp32 matmuls and convolutions in TF32 on GPUs of compute capability 8.0 and newer "
-                            "(Ampere, Hopper): tensor-core speed with fp32's range; --no-tf32 for strict fp32. "
-                            "No effect on CPUs and older GPUs (default: on)")
+                       help="fp32 matmuls and convolutions in TF32 on GPUs of compute capability "
+                            "8.0 and newer (Ampere, Hopper): tensor-core speed with fp32's range; "
+                            "--no-tf32 for strict fp32. No effect on CPUs and older GPUs "
+                            "(default: on)")
     train.add_argument("--deterministic", action="store_true",
-                       help="deterministic GPU kernels only, so a run and its --resume repeat bit for bit on a GPU "
-                            "as they do on a CPU; slower, and an op without a deterministic kernel stops the run "
-                            "(default: off, cuDNN picks the fastest kernels)")
-    train.add_argument("--epochs", type=int, default=15, help="passes over the training split (default: %(default)s)")
+                       help="deterministic GPU kernels only, so a run and its --resume repeat bit "
+                            "for bit on a GPU as they do on a CPU; slower, and an op without a "
+                            "deterministic kernel stops the run (default: off, cuDNN picks the "
+                            "fastest kernels)")
+    train.add_argument("--epochs", type=int, default=15,
+                       help="passes over the training split (default: %(default)s)")
     train.add_argument("--batch-size", type=int, default=128,
-                       help="GLOBAL batch: images per optimizer step summed over all devices and processes; "
-                            "each device gets batch-size / devices (default: %(default)s)")
+                       help="GLOBAL batch: images per optimizer step summed over all devices and "
+                            "processes; each device gets batch-size / devices "
+                            "(default: %(default)s)")
     train.add_argument("--grad-accum", type=int, default=1, metavar="N",
-                       help="gradient accumulation: each optimizer step sums the gradients of N micro-batches of "
-                            "--batch-size / N images (each process a slice of them), with one gradient all-reduce "
-                            "per step, for a batch that does not fit in memory at once (default: %(default)s)")
+                       help="gradient accumulation: each optimizer step sums the gradients of N "
+                            "micro-batches of --batch-size / N images (each process a slice of "
+                            "them), with one gradient all-reduce per step, for a batch that does "
+                            "not fit in memory at once (default: %(default)s)")
     train.add_argument("--lr", type=float, default=0.1,
-                       help="peak learning rate of the schedule for a global batch of --reference-batch-size; "
-                            "other batch sizes scale it (--scale-lr) (default: %(default)s)")
+                       help="peak learning rate of the schedule for a global batch of "
+                            "--reference-batch-size; other batch sizes scale it (--scale-lr) "
+                            "(default: %(default)s)")
     train.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
-                       help="linear scaling rule: peak lr = --lr x --batch-size / --reference-batch-size, so a "
-                            "larger global batch keeps its accuracy; --no-scale-lr uses --lr as given (default: on)")
+                       help="linear scaling rule: peak lr = --lr x --batch-size / "
+                            "--reference-batch-size, so a larger global batch keeps its accuracy; "
+                            "--no-scale-lr uses --lr as given (default: on)")
     train.add_argument("--reference-batch-size", type=int, default=128,
                        help="the global batch that --lr is tuned for (default: %(default)s)")
-    train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, Nesterov (default: %(default)s)")
-    train.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay (default: %(default)s)")
+    train.add_argument("--momentum", type=float, default=0.9,
+                       help="SGD momentum, Nesterov (default: %(default)s)")
+    train.add_argument("--weight-decay", type=float, default=5e-4,
+                       help="L2 weight decay (default: %(default)s)")
     train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
-                       help="clip the global gradient norm (all parameters, all processes) to MAX_NORM before "
-                            "each step (default: no clipping)")
+                       help="clip the global gradient norm (all parameters, all processes) to "
+                            "MAX_NORM before each step (default: no clipping)")
     train.add_argument("--label-smoothing", type=float, default=0.0,
-                       help="label smoothing of the cross-entropy, 0 for none (default: %(default)s)")
+                       help="label smoothing of the cross-entropy, 0 for none "
+                            "(default: %(default)s)")
     train.add_argument("--schedule", default="onecycle", choices=("onecycle", "step"),
-                       help="onecycle: warm-up then cosine decay to ~0; step: lr divided by 10 at each "
-                            "of --milestones (default: %(default)s)")
+                       help="onecycle: warm-up then cosine decay to ~0; step: lr divided by 10 at "
+                            "each of --milestones (default: %(default)s)")
     train.add_argument("--milestones", type=int, nargs="+", default=[4, 9, 14],
-                       help="epochs after which the step schedule divides the lr by 10; the articles' "
-                            "recipe is 4 9 14 with 15 epochs (default: %(default)s)")
+                       help="epochs after which the step schedule divides the lr by 10; the "
+                            "articles' recipe is 4 9 14 with 15 epochs (default: %(default)s)")
     train.add_argument("--warmup-epochs", type=float, default=1.0,
                        help="linear warm-up length in epochs, for both schedules; 0 for none "
                             "(default: %(default)s)")
     train.add_argument("--seed", type=int, default=0,
-                       help="seed of initialisation, shuffling and augmentation (default: %(default)s)")
+                       help="seed of initialisation, shuffling and augmentation "
+                            "(default: %(default)s)")
     train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                        choices=COMPILE_BACKENDS,
-                       help="torch.compile the model, through Accelerate (dynamo_backend): with no BACKEND "
-                            "TorchInductor, or aot_eager to check that the model traces. Compiling takes about "
-                            "a minute at the start and again at the first evaluation; scripts/benchmark.py "
-                            "measures whether it pays on your machine (default: off)")
+                       help="torch.compile the model, through Accelerate (dynamo_backend): with no "
+                            "BACKEND TorchInductor, or aot_eager to check that the model traces. "
+                            "Compiling takes about a minute at the start and again at the first "
+                            "evaluation; scripts/benchmark.py measures whether it pays on your "
+                            "machine (default: off)")
     train.add_argument("--max-steps", type=int, default=None,
-                       help="stop after this many optimizer steps in all (counted from the start of the "
-                            "run, resumes included), with a checkpoint; for tests and benchmarks")
+                       help="stop after this many optimizer steps in all (counted from the start "
+                            "of the run, resumes included), with a checkpoint; for tests and "
+                            "benchmarks")
 
     run = parser.add_argument_group("run record")
     run.add_argument("--output-dir", default=None,
-                     help="folder of the run record and checkpoints (default: a new runs/<script>-<time>)")
+                     help="folder of the run record and checkpoints "
+                          "(default: a new runs/<script>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                     help="continue the run in --output-dir from its newest complete checkpoint, or from "
-                          "CHECKPOINT (runs/NAME/checkpoints/step_NNNNNNNN)")
+                     help="continue the run in --output-dir from its newest complete checkpoint, "
+                          "or from CHECKPOINT (runs/NAME/checkpoints/step_NNNNNNNN)")
     run.add_argument("--checkpoint-every", type=int, default=None,
-                     help="also save the training state every this many optimizer steps (default: at the "
-                          "end of each epoch only)")
+                     help="also save the training state every this many optimizer steps "
+                          "(default: at the end of each epoch only)")
     run.add_argument("--keep-checkpoints", type=int, default=2,
                      help="how many of the newest checkpoints to keep (default: %(default)s)")
 
     tracking = parser.add_argument_group("tracking (Weights & Biases, through Accelerate)")
     tracking.add_argument("--report-to", default="wandb", choices=("wandb", "none"),
-                          help="wandb: one run per job, offline under --output-dir when no API key is "
-                               "configured; none: no tracking (default: %(default)s)")
+                          help="wandb: one run per job, offline under --output-dir when no API key "
+                               "is configured; none: no tracking (default: %(default)s)")
     tracking.add_argument("--wandb-project", default=None,
                           help="wandb project (default: $WANDB_PROJECT or multigpu-cifar)")
-    tracking.add_argument("--run-name", default=None, help="wandb run name (default: $WANDB_NAME or wandb's)")
-    tracking.add_argument("--wandb-tags", nargs="+", default=None, help="wandb tags (default: $WANDB_TAGS)")
+    tracking.add_argument("--run-name", default=None,
+                          help="wandb run name (default: $WANDB_NAME or wandb's)")
+    tracking.add_argument("--wandb-tags", nargs="+", default=None,
+                          help="wandb tags (default: $WANDB_TAGS)")
     tracking.add_argument("--wandb-group", default=None,
                           help="wandb group, e.g. one per sweep (default: $WANDB_RUN_GROUP)")
     tracking.add_argument("--log-every", type=int, default=20,
-                          help="log the loss, lr and img/s to wandb every this many optimizer steps "
-                               "(default: %(default)s)")
+                          help="log the loss, lr and img/s to wandb every this many optimizer "
+                               "steps (default: %(default)s)")
     return parser
 
 
@@ -139,37 +158,44 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     """Where the images come from: the same flags for training and for scripts/evaluate.py."""
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", default="cifar10",
-                      help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image classification "
-                           "dataset id (owner/name) with an image and a label column, or synthetic: made on the "
-                           "spot, no download, suits a CPU (default: %(default)s)")
+                      help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image "
+                           "classification dataset id (owner/name) with an image and a label "
+                           "column, or synthetic: made on the spot, no download, suits a CPU "
+                           "(default: %(default)s)")
     data.add_argument("--data-dir", default=None,
-                      help="read the data from this folder or archive instead of the Hub: a Hub snapshot "
-                           "(*.parquet), a save_to_disk folder, cifar-10-batches-py (or its .tar.gz), or an image "
-                           "folder train/<class>/* with test/<class>/* (or val/, validation/)")
+                      help="read the data from this folder or archive instead of the Hub: a Hub "
+                           "snapshot (*.parquet), a save_to_disk folder, cifar-10-batches-py (or "
+                           "its .tar.gz), or an image folder train/<class>/* with test/<class>/* "
+                           "(or val/, validation/)")
     data.add_argument("--val-fraction", type=float, default=None, metavar="F",
-                      help="evaluate on this share of the training images, drawn per class with --seed, and "
-                           "train on the rest, for data with no labelled test or validation split (default: "
-                           "the data's own test split, else its validation split)")
+                      help="evaluate on this share of the training images, drawn per class with "
+                           "--seed, and train on the rest, for data with no labelled test or "
+                           "validation split (default: the data's own test split, else its "
+                           "validation split)")
     data.add_argument("--image-size", type=int, default=None, metavar="N",
-                      help="training and evaluation resolution N x N: images are resized (shorter side) and "
-                           "centre-cropped to N, training ones then cropped at random (see --augment) (default: "
-                           "the images' own size when they share one square size, as CIFAR's 32, else 224)")
+                      help="training and evaluation resolution N x N: images are resized "
+                           "(shorter side) and centre-cropped to N, training ones then cropped at "
+                           "random (see --augment) (default: the images' own size when they share "
+                           "one square size, as CIFAR's 32, else 224)")
     data.add_argument("--loader", default="auto", choices=("auto", "device", "workers"),
-                      help="device: decode every image once and keep them on the training device (fastest, if "
-                           "they fit); workers: DataLoader workers decode and augment each batch (any size); auto: "
-                           "device when the decoded images fit --loader-budget (default: %(default)s)")
+                      help="device: decode every image once and keep them on the training device "
+                           "(fastest, if they fit); workers: DataLoader workers decode and augment "
+                           "each batch (any size); auto: device when the decoded images fit "
+                           "--loader-budget (default: %(default)s)")
     data.add_argument("--workers", type=int, default=None, metavar="N",
-                      help="DataLoader worker processes per training process for --loader workers (default: the "
-                           "CPU cores shared among the node's processes, less one, at most 16)")
+                      help="DataLoader worker processes per training process for --loader workers "
+                           "(default: the CPU cores shared among the node's processes, less one, "
+                           "at most 16)")
     data.add_argument("--loader-budget", type=float, default=None, metavar="GB",
-                      help="the most the decoded images may take for --loader device/auto (default: half the free "
-                           "memory of the GPU and of the host, whichever is less)")
+                      help="the most the decoded images may take for --loader device/auto "
+                           "(default: half the free memory of the GPU and of the host, whichever "
+                           "is less)")
     data.add_argument("--bad-images", default="stop", choices=("stop", "skip"),
-                      help="an image that cannot be decoded stops the run with its name (stop), or is reported "
-                           "and left out (skip) (default: %(default)s)")
+                      help="an image that cannot be decoded stops the run with its name (stop), "
+                           "or is reported and left out (skip) (default: %(default)s)")
     data.add_argument("--cache-dir", default=None,
-                      help="where decoded uint8 tensors (and parquet converted to Arrow) are cached (default: "
-                           "$CIFAR_CACHE_DIR or ~/.cache/multigpu-cifar)")
+                      help="where decoded uint8 tensors (and parquet converted to Arrow) are "
+                           "cached (default: $CIFAR_CACHE_DIR or ~/.cache/multigpu-cifar)")
     data.add_argument("--synthetic-train-size", type=int, default=5000,
                       help="images in the synthetic training split (default: %(default)s)")
     data.add_argument("--synthetic-test-size", type=int, default=1000,
@@ -182,26 +208,45 @@ def check_data_args(args: argparse.Namespace) -> None:
     if args.image_size is not None and not 8 <= args.image_size <= 4096:
         raise UserError(f"--image-size {args.image_size}: must be from 8 to 4096 pixels")
     if args.workers is not None and args.workers < 0:
-        raise UserError(f"--workers {args.workers}: must be 0 (load in the training process) or more")
+        raise UserError(f"--workers {args.workers}: must be 0 (load in the training process) or "
+                        f"more")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be between 0 and 1, e.g. 0.1")
     if args.loader_budget is not None and not 0 <= args.loader_budget < math.inf:
         raise UserError(f"--loader-budget {args.loader_budget}: must be a number of GB, 0 or more")
     if args.workers is not None and args.loader == "device":
-        raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: drop one of them")
-    if args.loader_budget is not None and args.loader == "workers":
-        raise UserError(f"--loader-budget {args.loader_budget} is for --loader device or auto, not --loader workers: "
+        raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: "
                         f"drop one of them")
+    if args.loader_budget is not None and args.loader == "workers":
+        raise UserError(f"--loader-budget {args.loader_budget} is for --loader device or auto, "
+                        f"not --loader workers: drop one of them")
     for flag in ("synthetic_train_size", "synthetic_test_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
     check_folder("--cache-dir", args.cache_dir)
 
 
+# The training flags the input path reads; scripts/evaluate.py has none of them.
+TRAINING_DATA_FLAGS = ("seed", "batch_size", "grad_accum", "augment", "channels_last")
+
+
+def data_options(args: argparse.Namespace) -> DataOptions:
+    """What the input path needs of the parsed flags: common.inputs.load_inputs(data_options(args),
+    accelerator). The data flags, and those training flags (TRAINING_DATA_FLAGS) the parser has."""
+    training = {name: getattr(args, name) for name in TRAINING_DATA_FLAGS if hasattr(args, name)}
+    return DataOptions(dataset=args.dataset, data_dir=args.data_dir, cache_dir=args.cache_dir,
+                       val_fraction=args.val_fraction, image_size=args.image_size,
+                       loader=args.loader, workers=args.workers,
+                       loader_budget=args.loader_budget, bad_images=args.bad_images,
+                       synthetic_train_size=args.synthetic_train_size,
+                       synthetic_test_size=args.synthetic_test_size, **training)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     check_data_args(args)
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--keep-checkpoints": args.keep_checkpoints,
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
+                "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
                 "--grad-accum": args.grad_accum}
     if args.checkpoint_every is not None:
@@ -213,30 +258,35 @@ def check_args(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} {value}: must be 1 or more")
     if args.batch_size % args.grad_accum:  # the processes' share is checked once they are known
         below = args.batch_size - args.batch_size % args.grad_accum
-        raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum {args.grad_accum} "
-                        f"micro-batches: use {f'{below} or ' if below else ''}{below + args.grad_accum}")
+        raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum "
+                        f"{args.grad_accum} micro-batches: use "
+                        f"{f'{below} or ' if below else ''}{below + args.grad_accum}")
     if not 0 <= args.seed <= MAX_SEED:
-        raise UserError(f"--seed {args.seed}: must be from 0 to {MAX_SEED} (numpy's seeds are 32-bit)")
+        raise UserError(f"--seed {args.seed}: must be from 0 to {MAX_SEED} "
+                        f"(numpy's seeds are 32-bit)")
     # Written so that NaN fails each test (every comparison with NaN is False).
     if not 0 < args.lr < math.inf:
         raise UserError(f"--lr {args.lr}: must be a positive number")
     if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
         raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number")
-    if not 0 < args.momentum < 1:  # torch's SGD refuses Nesterov without momentum; 1 or more diverges
-        raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9")
+    # torch's SGD refuses Nesterov without momentum; 1 or more diverges
+    if not 0 < args.momentum < 1:
+        raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and "
+                        f"below 1, e.g. 0.9")
     if not 0 <= args.weight_decay < math.inf:
         raise UserError(f"--weight-decay {args.weight_decay}: must be a number, 0 (none) or more")
     if not 0 <= args.label_smoothing < 1:  # 1 would train towards uniform targets
-        raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more and below 1")
+        raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more "
+                        f"and below 1")
     if not 0 <= args.warmup_epochs <= args.epochs:
-        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be a number of epochs from 0 to --epochs "
-                        f"{args.epochs}")
+        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be a number of epochs from 0 "
+                        f"to --epochs {args.epochs}")
     if args.schedule == "step":
         check_milestones(args.milestones, args.epochs)
     timeout = getattr(args, "dist_timeout", None)  # DDP's and AMP's flag
     if timeout is not None and not 1 <= timeout <= MAX_DIST_TIMEOUT:
-        raise UserError(f"--dist-timeout {timeout}: must be a number of seconds from 1 to {MAX_DIST_TIMEOUT}, "
-                        f"e.g. 600")
+        raise UserError(f"--dist-timeout {timeout}: must be a number of seconds from 1 to "
+                        f"{MAX_DIST_TIMEOUT}, e.g. 600")
     check_model_name(args.model)
     check_folder("--output-dir", args.output_dir)
 
@@ -246,31 +296,34 @@ def check_milestones(milestones: list[int], epochs: int) -> None:
     and one at 0 divides --lr before the first step."""
     given = " ".join(map(str, milestones))
     if epochs == 1:
-        raise UserError(f"--milestones {given}: --schedule step with --epochs 1 has no epoch to divide the lr "
-                        f"after; use --schedule onecycle, or 2 or more --epochs")
+        raise UserError(f"--milestones {given}: --schedule step with --epochs 1 has no epoch to "
+                        f"divide the lr after; use --schedule onecycle, or 2 or more --epochs")
     if any(not 1 <= m < epochs for m in milestones) or milestones != sorted(set(milestones)):
-        raise UserError(f"--milestones {given}: must be increasing epochs from 1 to {epochs - 1} for --schedule "
-                        f"step with --epochs {epochs}")
+        raise UserError(f"--milestones {given}: must be increasing epochs from 1 to {epochs - 1} "
+                        f"for --schedule step with --epochs {epochs}")
 
 
 def check_model_name(name: str) -> None:
     """An unknown --model stops now, not after the data is loaded."""
-    known = name in model_names() or (name.startswith(TORCHVISION_PREFIX) and name.removeprefix(TORCHVISION_PREFIX)
+    known = name in model_names() or (name.startswith(TORCHVISION_PREFIX)
+                                      and name.removeprefix(TORCHVISION_PREFIX)
                                       in torchvision.models.list_models(module=torchvision.models))
     if not known:
-        build_model(name, num_classes=2)  # builds nothing: raises the UserError that lists the valid names
+        # builds nothing: raises the UserError that lists the valid names
+        build_model(name, num_classes=2)
 
 
 def check_folder(flag: str, path: str | None) -> None:
-    """A folder flag naming a file, a path under a file, or a folder that cannot be written in fails at
-    the first file written there, with a traceback: say so now, in one line."""
+    """A folder flag naming a file, a path under a file, or a folder that cannot be written in fails
+    at the first file written there, with a traceback: say so now, in one line."""
     if path is None:
         return
     given = Path(path)
     existing = next(p for p in (given, *given.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
-        raise UserError(f"{flag} {path}: must be a folder, but {'it' if existing == given else existing} is a "
-                        f"file; choose another {flag}")
+        raise UserError(f"{flag} {path}: must be a folder, but "
+                        f"{'it' if existing == given else existing} is a file; choose another "
+                        f"{flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not writable; "
-                        f"choose another {flag}")
+        raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not "
+                        f"writable; choose another {flag}")

@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.tools import synchronize
-from common.errors import UserError
 from common.data_parallel import PeerCheckFailed, data_parallel_transfers, run_transfer_check
+from common.errors import UserError
 
 P2P_ADVICE = ("do not use DataParallel (scripts/train_dp.py) here: its scatter and gather copy "
               "directly between GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 "

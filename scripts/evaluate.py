@@ -11,27 +11,30 @@ It also reads state dicts saved by other scripts with torch.save, including the 
 that a DataParallel/DDP-wrapped model leaves on every key. They carry none of that, so name the
 model; the normalisation is then computed from the training split of the data:
 
-    python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 --data-dir ~/data/cifar10
+    python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 \
+        --data-dir ~/data/cifar10
 """
 
-import torch
+import dataclasses
+
 from accelerate import Accelerator
 
-from common.checkpoint import load_weights, read_metadata
-from common.cli import Parser, add_data_args, check_data_args, check_model_name
+from common.cli import Parser, add_data_args, check_data_args, check_model_name, data_options
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_test_inputs
 from common.models import build_model
+from common.weights import load_weights, read_metadata
 
 
 def parse_args(argv=None):
     parser = Parser(__doc__)
     parser.add_argument("--weights", required=True,
-                        help="model.safetensors of a run, or a torch.save'd state dict (.pt/.pth/.bin)")
+                        help="model.safetensors of a run, or a torch.save'd state dict "
+                             "(.pt/.pth/.bin)")
     parser.add_argument("--model", default=None,
-                        help="architecture of the weights, as --model of the training scripts (default: "
-                             "the name stored in a model.safetensors)")
+                        help="architecture of the weights, as --model of the training scripts "
+                             "(default: the name stored in a model.safetensors)")
     parser.add_argument("--eval-batch-size", type=int, default=500,
                         help="images per evaluation batch (default: %(default)s)")
     add_data_args(parser)
@@ -49,40 +52,46 @@ def main(args):
     stored = read_metadata(args.weights)  # empty for files other than our model.safetensors
     model_name = args.model or stored.get("model")
     if model_name is None:
-        raise UserError(f"--weights {args.weights} does not say which model it holds: add --model NAME")
+        raise UserError(f"--weights {args.weights} does not say which model it holds: add "
+                        f"--model NAME")
 
-    # The precision and memory format the run evaluated in (fp32 and NHWC for weights from elsewhere):
-    # the same arithmetic, the same accuracy.
+    # The precision and memory format the run evaluated in (fp32 and NCHW for weights from
+    # elsewhere): the same arithmetic, the same accuracy.
     accelerator = Accelerator(mixed_precision=stored.get("mixed_precision", "no"))
     image_size = stored.get("image_size")
     if image_size and args.image_size and args.image_size != image_size[0]:
-        raise UserError(f"--weights {args.weights} were trained on {image_size[0]}px images, not --image-size "
-                        f"{args.image_size}: drop --image-size")
-    # The training run's resolution, evaluation split and normalisation; for weights from elsewhere
-    # the flags', and the statistics of the training images.
-    data = load_test_inputs(args, accelerator, image_size[0] if image_size else args.image_size,
-                            args.eval_batch_size, stored.get("eval_split"), stored.get("normalization"))
+        raise UserError(f"--weights {args.weights} were trained on {image_size[0]}px images, not "
+                        f"--image-size {args.image_size}: drop --image-size")
+    # The training run's resolution, evaluation split, normalisation and memory format; for weights
+    # from elsewhere the flags', the statistics of the training images and NCHW.
+    channels_last = stored.get("channels_last", False)
+    options = dataclasses.replace(data_options(args), channels_last=channels_last)
+    data = load_test_inputs(options, accelerator,
+                            image_size[0] if image_size else args.image_size, args.eval_batch_size,
+                            stored.get("eval_split"), stored.get("normalization"))
     classes = stored.get("classes", data.classes)
     if list(classes) != data.classes:
-        raise UserError(f"--weights {args.weights} were trained on the classes {', '.join(classes[:5])}... but the "
-                        f"data has {', '.join(data.classes[:5])}...: pass the data flags of the training run")
+        raise UserError(f"--weights {args.weights} were trained on the classes "
+                        f"{', '.join(classes[:5])}... but the data has "
+                        f"{', '.join(data.classes[:5])}...: pass the data flags of the training "
+                        f"run")
     model = build_model(model_name, num_classes=len(data.classes))
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as error:
         first = str(error).splitlines()[1].strip() if "\n" in str(error) else str(error)
         raise UserError(f"--weights {args.weights} do not fit --model {model_name} with "
-                        f"{len(data.classes)} classes ({first}); check --model and the data flags") from None
+                        f"{len(data.classes)} classes ({first}); check --model and the data "
+                        f"flags") from None
 
-    channels_last = stored.get("channels_last", False)
-    data.transform.memory_format = torch.channels_last if channels_last else torch.contiguous_format
     transform, loader = data.transform, data.test_loader
-    model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    model = model.to(memory_format=transform.memory_format)
     model, loader = accelerator.prepare(model, loader)
     result = evaluate(model, loader, transform, accelerator, len(data.classes))
 
     accelerator.print(f"test_acc={result.accuracy:.4f} ({result.correct}/{result.total}) "
-                      f"model={model_name} precision={accelerator.mixed_precision} data={data.source}")
+                      f"model={model_name} precision={accelerator.mixed_precision} "
+                      f"data={data.source}")
     width = max(len(name) for name in data.classes)
     for name, correct, total in zip(data.classes, result.class_correct, result.class_total):
         accuracy = correct / total if total else float("nan")

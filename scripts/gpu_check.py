@@ -43,13 +43,13 @@ from xml.etree import ElementTree
 import torch
 
 from bench import tools
-from common.files import write_json
-from common.run_folder import new_run_dir
 from common.cli import Parser, check_folder
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
+from common.files import write_json
+from common.run_folder import new_run_dir
 from common.tracking import GB
 
 ROOT = Path(__file__).resolve().parents[1]

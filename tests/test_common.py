@@ -7,20 +7,18 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from common.batches import BatchTransform, channel_stats, resized_crop_boxes, sample_seed, tensor_loader
-from common.checkpoint import (
-    atomic_write,
-    check_resume_config,
-    latest_checkpoint,
-    load_weights,
-    read_metadata,
-    save_weights,
-    strip_wrapper_prefixes,
-)
+from common.checkpoints import latest_checkpoint
+from common.data.crops import sample_seed
+from common.data.device import tensor_loader
+from common.data.stats import channel_stats
+from common.data.transform import BatchTransform, resized_crop_boxes
 from common.errors import UserError
+from common.files import atomic_write
+from common.numerics import choose_mixed_precision
 from common.optim import build_optimizer, build_scheduler
-from common.parallel import choose_mixed_precision
+from common.run_record import check_resume_config
 from common.tracking import log_line
+from common.weights import load_weights, read_metadata, save_weights, strip_wrapper_prefixes
 
 
 def images(n=16, seed=0):
@@ -285,7 +283,7 @@ def test_channels_last_batches():
 
 
 def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
-    from common.parallel import peak_memory
+    from common.tracking import peak_memory
 
     class OnCPU:
         device = torch.device("cpu")

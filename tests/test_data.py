@@ -1,6 +1,7 @@
-"""common/data.py: every source format decodes to the same tensors, caches are reused and
-invalidated, synthetic data is deterministic, an image of another size is resized, and bad input
-ends in one line naming the culprit (or, with skip_bad, is left out with a warning naming it).
+"""common/data/ (sources, formats, decode, cache, synthetic): every source format decodes to the
+same tensors, caches are reused and invalidated, synthetic data is deterministic, an image of
+another size is resized, and bad input ends in one line naming the culprit (or, with skip_bad, is
+left out with a warning naming it).
 
 The fixtures write one small dataset (3 named classes, 24 train / 12 test random 32x32 images)
 in every format the loader reads, the way the real tools write them.
@@ -22,8 +23,10 @@ import pytest
 import torch
 
 from bench.tools import write_cifar_pickles
-from common import data as data_module
-from common.data import ImageData, load_image_data, make_synthetic
+from common.data import decode, hub, sources
+from common.data.cache import load_image_data
+from common.data.splits import ImageData
+from common.data.synthetic import make_synthetic
 from common.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +174,7 @@ def fake_hub(monkeypatch, source):
         calls.append((repo, datasets.config.HF_HUB_OFFLINE))
         return hub_splits(source, "fine_label" if repo.endswith("cifar100") else "label")
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(data_module, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda endpoint: True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     return calls
 
@@ -189,7 +192,7 @@ def test_hub_dataset_is_decoded_then_served_from_our_cache(dataset, repo, fake_h
 
 
 def test_unreachable_hub_falls_back_to_the_datasets_cache_at_once(fake_hub, monkeypatch, source, tmp_path):
-    monkeypatch.setattr(data_module, "_hub_reachable", lambda endpoint: False)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda endpoint: False)
     assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
     assert fake_hub == [("uoft-cs/cifar10", True)]  # load_dataset ran in offline mode
     assert datasets.config.HF_HUB_OFFLINE is False  # and the flag was restored
@@ -211,8 +214,8 @@ def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkey
     folder = copy_of(formats["image_folder"], tmp_path)
     cache = str(tmp_path / "cache")
     decoded = []  # number of images per decoding pass (one per split)
-    decode_split = data_module.decode_split
-    monkeypatch.setattr(data_module, "decode_split",
+    decode_split = decode.decode_split
+    monkeypatch.setattr(decode, "decode_split",
                         lambda split, *args: decoded.append(len(split)) or decode_split(split, *args))
     before = load_image_data(data_dir=str(folder), cache_dir=cache)
     assert_same(load_image_data(data_dir=str(folder), cache_dir=cache), before)
@@ -241,12 +244,12 @@ def test_failed_cache_write_leaves_no_file_behind(formats, source, tmp_path, mon
 
 def test_default_cache_dir_follows_the_environment(monkeypatch):
     monkeypatch.setenv("CIFAR_CACHE_DIR", "/data/cache")
-    assert data_module.default_cache_dir() == "/data/cache"
+    assert sources.default_cache_dir() == "/data/cache"
     monkeypatch.delenv("CIFAR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
-    assert data_module.default_cache_dir() == "/xdg/multigpu-cifar"
+    assert sources.default_cache_dir() == "/xdg/multigpu-cifar"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert data_module.default_cache_dir() == os.path.expanduser("~/.cache/multigpu-cifar")
+    assert sources.default_cache_dir() == os.path.expanduser("~/.cache/multigpu-cifar")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +285,8 @@ def test_offline_without_cache_fails_fast_in_one_line(tmp_path, offline):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
     env.update(HF_HOME=str(tmp_path / "hf"), **offline)
     # The clock starts after the imports, which alone take seconds on a busy 2-core machine.
-    code = ("import sys, time; from common.data import load_image_data; start = time.monotonic()\n"
+    code = ("import sys, time; from common.data.cache import load_image_data\n"
+            "start = time.monotonic()\n"
             "try:\n"
             f"    load_image_data('cifar10', cache_dir={str(tmp_path / 'c')!r})\n"
             "finally:\n"
@@ -386,12 +390,12 @@ def test_processes_that_start_together_decode_once(tmp_path):
 
 def _build_through_cache(folder, builds):
 
-    from common import data as data_module
+    from common.data import cache, synthetic
 
     def build():
         builds.append(1)
         time.sleep(1)  # long enough for the others to find the cache missing and wait
-        return data_module.make_synthetic(20, 10, num_classes=2, seed=0)
+        return synthetic.make_synthetic(20, 10, num_classes=2, seed=0)
 
-    data = data_module._cached(Path(folder) / "shared.pt", build)
+    data = cache._cached(Path(folder) / "shared.pt", build)
     return int(data.train_images.sum())

@@ -1,5 +1,5 @@
-"""common/inputs.py, common/images.py: the two input paths (--loader device and workers) read every
-source the same way, and each flag of the input path does what its help says.
+"""common/inputs.py, common/data/workers.py: the two input paths (--loader device and workers)
+read every source the same way, and each flag of the input path does what its help says.
 
 The fixtures write one small dataset (3 named classes) in each format the scripts read: an
 ImageNet-layout image folder of JPEG, PNG and WebP files of mixed sizes and modes (RGB, L, RGBA,
@@ -40,12 +40,16 @@ from helpers import ROOT, run
 from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
-from common import data as data_module
-from common.batches import resized_crop_boxes
-from common.cli import build_parser, check_args
-from common.data import ImageData, load_image_data, open_source
+from common.cli import build_parser, check_args, data_options
+from common.data import hub
+from common.data.cache import load_image_data
+from common.data.crops import resized_crop_box
+from common.data.images import decode
+from common.data.sources import open_source
+from common.data.splits import ImageData
+from common.data.transform import resized_crop_boxes
+from common.data.workers import SampleImages, augment, worker_loader
 from common.errors import UserError
-from common.images import SampleImages, augment, decode, resized_crop_box, worker_loader
 from common.inputs import load_inputs
 
 CLASSES = ["cat", "dog", "frog"]
@@ -138,7 +142,7 @@ def fake_hub(monkeypatch, flowers):
             return splits
         monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     answer(flowers)
-    monkeypatch.setattr(data_module, "_hub_reachable", lambda endpoint: True)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda endpoint: True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     return answer
 
@@ -152,7 +156,7 @@ def inputs_of(accelerator, *flags):
     """load_inputs for the flags a user would pass a training script."""
     args = build_parser("test").parse_args([str(flag) for flag in flags])
     check_args(args)
-    return load_inputs(args, accelerator)
+    return load_inputs(data_options(args), accelerator)
 
 
 def source_flags(name, sources, tmp_path):

@@ -18,8 +18,14 @@ import torch
 from helpers import ROOT
 
 import common.data_parallel
+from common.data_parallel import (
+    PEER_ADVICE,
+    broken_nccl_transfers,
+    broken_peer_copies,
+    check_peer_copies,
+    data_parallel_transfers,
+)
 from common.errors import UserError
-from common.data_parallel import PEER_ADVICE, broken_nccl_transfers, broken_peer_copies, check_peer_copies, data_parallel_transfers
 
 GPUS = [torch.device("cuda", i) for i in range(3)]  # only names: the injected checks never touch a GPU
 CPUS = [torch.device("cpu", i) for i in range(3)]  # devices a CPU can really copy between

@@ -20,10 +20,16 @@ import torch
 from accelerate import Accelerator
 from helpers import ROOT, run
 
-from common.checkpoints import TrainProgress, checkpoint_problem, latest_good_checkpoint, load_checkpoint, save_checkpoint
+from common.checkpoints import (
+    TrainProgress,
+    checkpoint_problem,
+    latest_good_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from common.errors import UserError
 from common.run_folder import lock_run_and_find_resume
 from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
-from common.errors import UserError
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]

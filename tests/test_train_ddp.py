@@ -15,8 +15,8 @@ from accelerate.utils import set_seed
 from helpers import ROOT, run, weights
 
 from common.errors import UserError
-from common.models import build_model
 from common.launch import check_world_size
+from common.models import build_model
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),

@@ -13,10 +13,10 @@ import torch
 from accelerate import Accelerator
 from helpers import DATA, ROOT, run, weights
 
-from common.errors import UserError
-from common.models import build_model
 from common.data_parallel import data_parallel_devices, memory_report
+from common.errors import UserError
 from common.launch import check_batch_split
+from common.models import build_model
 from common.tracking import log_line
 
 # DATA with fewer images (the last value of a flag wins): 16 steps an epoch at batch 32, of which the runs

@@ -11,8 +11,8 @@ import torch
 from helpers import DATA, TINY, run, wandb_runs, weights
 from wandb_records import offline_run
 
-from common.weights import read_metadata, save_weights
 from common.models import build_model
+from common.weights import read_metadata, save_weights
 
 LOG_LINE = re.compile(r"^epoch=(\d+)/(\d+) step=(\d+) batch=(\d+) lr=\S+ train_loss=\d+\.\d{4} "
                       r"test_acc=(\d\.\d{4}) epoch_time_s=\S+ img_per_s=\d+ data_wait_frac=\d\.\d{3}$")

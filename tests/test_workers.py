@@ -285,9 +285,9 @@ def test_evaluate_finds_the_carved_split(val_fraction_run):
     out, root, where = val_fraction_run
     config, logged = json.loads((out / "config.json").read_text()), last_metrics(out)
     assert config["test_size"] == logged["test_images"] == 24 and config["train_size"] == 96
-    # No --val-fraction and no --seed: the weights say which split the run carved. Through the device
-    # loader, the split is carved from the decoded tensors (common.data.carve_decoded), not from the
-    # file list as in training (carve).
+    # No --val-fraction and no --seed: the weights say which split the run carved. Through the
+    # device loader, the split is carved from the decoded tensors (common.data.carve.carve_decoded),
+    # not from the file list as in training (carve).
     done = run("evaluate.py", "--weights", out / "model.safetensors", "--data-dir", root, "--loader", "device",
                cwd=where)
     accuracy, correct, total = evaluated(done)

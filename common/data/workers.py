@@ -1,21 +1,16 @@
-"""Images one at a time: decoding, per-sample transforms and the worker-based loader.
+"""The workers loader (--loader workers): DataLoader workers decode and augment each sample.
 
-The other input path (common.batches) holds a whole decoded split as one tensor on the device.
-This one holds nothing decoded: each DataLoader worker reads a sample (a file, a row of a
-memory-mapped Arrow table, or a row of a memory-mapped tensor), decodes it with
-torchvision.io.decode_image (libjpeg-turbo, libpng, libwebp; PIL only for what they cannot read,
-e.g. CMYK or 16-bit files some versions refuse) and crops it to the training resolution with
-torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N) in channels_last
-memory: a quarter of the bytes of float, normalised on the device by BatchTransform as on the
-other path.
+Nothing decoded is held: each worker reads a sample (a file, a row of a memory-mapped Arrow
+table, or a row of a tensor), decodes it (common.data.images) and crops it to the training
+resolution with torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N) in
+channels_last memory: a quarter of the bytes of float, normalised on the device by
+BatchTransform (common.data.transform) as on the device path.
 
 Augmentation is drawn per sample from (seed, epoch, index), not from the worker's random state, so
 it does not depend on the number of workers, of processes or on where a resumed run restarts.
 """
 
 import atexit
-import io
-import math
 import multiprocessing
 import os
 import random
@@ -23,60 +18,12 @@ import signal
 import sys
 
 import numpy as np
-import PIL.Image
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from common.batches import CROP_RATIO, CROP_SCALE, centre_crop_box, crop_mode, sample_seed
-from common.errors import first_line
-
-PADDING = 4  # as common.batches.BatchTransform and torchvision's CIFAR recipes
-
-
-class BadImage(Exception):
-    """An image no decoder can read. An Exception, not a UserError (SystemExit): a DataLoader worker
-    passes Exceptions on to the main process, where ``report_bad_images``' hook makes it one line."""
-
-
-def decode(encoded, name: str) -> torch.Tensor:
-    """An image as uint8 RGB (3, H, W), from file bytes, a file path or an already decoded tensor.
-
-    Grayscale, palette and CMYK images are converted to RGB; an alpha channel is dropped.
-    """
-    if isinstance(encoded, torch.Tensor):
-        return encoded
-    if isinstance(encoded, (str, os.PathLike)):
-        try:
-            with open(encoded, "rb") as f:
-                encoded = f.read()
-        except OSError as e:
-            raise BadImage(f"cannot read image {name} ({first_line(e)})") from None
-    try:
-        image = decode_image(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        if image.ndim == 4:  # an animated GIF comes as all its frames: the first, as PIL reads it
-            image = image[0]
-        if image.dtype != torch.uint8:  # 16-bit PNGs
-            image = v2.functional.to_dtype(image, torch.uint8, scale=True)
-        return image
-    except (RuntimeError, ValueError):
-        pass  # a format or mode torchvision does not read: PIL may
-    try:
-        with PIL.Image.open(io.BytesIO(encoded)) as image:
-            pixels = np.asarray(image.convert("RGB"))
-    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for corrupt or truncated files
-        raise BadImage(f"cannot decode image {name} ({first_line(e)})") from None
-    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
-
-
-def fit(image: torch.Tensor, size: int) -> torch.Tensor:
-    """Resize the shorter side to ``size`` and crop the centre square: the evaluation view. An image
-    that is already size x size is returned as it is."""
-    if image.shape[-2:] == (size, size):
-        return image
-    image = v2.functional.resize(image, size, antialias=True)
-    return v2.functional.center_crop(image, [size, size])
+from common.data.crops import PADDING, crop_mode, resized_crop_box, sample_seed
+from common.data.images import BadImage, decode, fit
 
 
 def augment(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
@@ -87,23 +34,9 @@ def augment(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
         top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
         image = v2.functional.crop(image, top, left, size, size)
     else:
-        image = v2.functional.resized_crop(image, *resized_crop_box(*image.shape[-2:], rng), [size, size],
-                                           antialias=True)
+        box = resized_crop_box(*image.shape[-2:], rng)
+        image = v2.functional.resized_crop(image, *box, [size, size], antialias=True)
     return v2.functional.horizontal_flip(image) if rng.random() < 0.5 else image
-
-
-def resized_crop_box(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
-    """(top, left, height, width) of a random-resized crop, drawn as torchvision's RandomResizedCrop
-    draws it with its defaults: 8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform),
-    10 tries, else the largest centre crop within those ratios."""
-    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
-    for _ in range(10):
-        area = height * width * rng.uniform(*CROP_SCALE)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        h, w = round(math.sqrt(area / aspect)), round(math.sqrt(area * aspect))
-        if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    return centre_crop_box(height, width)
 
 
 class SampleImages(Dataset):
@@ -125,7 +58,7 @@ class SampleImages(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        image, read = self.read(index)  # read != index: a bad image skipped, the next one in its place
+        image, read = self.read(index)  # read != index: a bad image skipped, the next in its place
         if self.augment:  # the same view whatever worker or process reads the sample, in every run
             image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)))
         else:
@@ -144,8 +77,8 @@ class SampleImages(Dataset):
                     raise
                 if at not in self.skipped:  # once, not every epoch
                     self.skipped.add(at)
-                    print(f"warning: {e}; skipped (--bad-images skip): the next readable image takes its place",
-                          file=sys.stderr, flush=True)
+                    print(f"warning: {e}; skipped (--bad-images skip): the next readable image "
+                          f"takes its place", file=sys.stderr, flush=True)
         raise BadImage(f"no image of {self.split.name(index)}'s split can be decoded")
 
 
@@ -164,7 +97,8 @@ class EpochSampler(Sampler):
         return self.size
 
     def __iter__(self):
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch)))
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch))
+        order = torch.randperm(self.size, generator=generator)
         epoch = self.epoch
         return ((epoch, index) for index in order.tolist())
 
@@ -184,7 +118,7 @@ class _WorkerInit:
     transform added that draws from them (ours draw per sample and do not need it), and keeps the
     worker alive through the job's stop signals: SLURM signals every process of a job, and a worker
     that died of one would fail the step the training process finishes before it saves
-    (common.parallel.StepGuard). SIGTERM still ends a worker once its training process is exiting
+    (common.step_guard.StepGuard). SIGTERM still ends a worker once its training process is exiting
     (``_exiting``): multiprocessing terminates the workers left then, and waits for them."""
 
     def __init__(self, seed: int, process: int):
@@ -218,19 +152,22 @@ def _exiting():
     return _EXITING
 
 
-def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, augment: bool = True,
-                  seed: int = 0, process: int = 0, pin_memory: bool = False, skip_bad: bool = False) -> DataLoader:
-    """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by ``workers``
-    processes.
+def worker_loader(split, size: int, batch_size: int, train: bool, workers: int,
+                  augment: bool = True, seed: int = 0, process: int = 0, pin_memory: bool = False,
+                  skip_bad: bool = False) -> DataLoader:
+    """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by
+    ``workers`` processes.
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
     keep every image in order. Workers stay up between epochs (persistent_workers).
     """
     dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad)
-    return DataLoader(dataset, batch_size=batch_size, sampler=EpochSampler(len(split), seed) if train else None,
-                      drop_last=train, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory,
-                      collate_fn=collate_channels_last,
-                      worker_init_fn=_WorkerInit(seed, process), prefetch_factor=4 if workers else None)
+    return DataLoader(dataset, batch_size=batch_size,
+                      sampler=EpochSampler(len(split), seed) if train else None,
+                      drop_last=train, num_workers=workers, persistent_workers=workers > 0,
+                      pin_memory=pin_memory, collate_fn=collate_channels_last,
+                      worker_init_fn=_WorkerInit(seed, process),
+                      prefetch_factor=4 if workers else None)
 
 
 def collate_channels_last(samples) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +190,7 @@ def report_bad_images() -> None:
         if not issubclass(kind, BadImage):
             return previous(kind, error, traceback)
         message = str(error).strip().splitlines()[-1].split("BadImage: ", 1)[-1]
-        print(f"error: {message}; replace or remove the file, or pass --bad-images skip to train without it",
-              file=sys.stderr)
+        print(f"error: {message}; replace or remove the file, or pass --bad-images skip to train "
+              f"without it", file=sys.stderr)
     hook.reports_bad_images = True
     sys.excepthook = hook

@@ -1,0 +1,23 @@
+"""The training scripts' input path, one module per job; data and imports flow down this list.
+
+    options     DataOptions: the values of the data flags, all that the input path is told
+    splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
+    images      one image decoded to uint8 RGB and fitted to N x N
+    arrow       `datasets` tables as splits, and a DatasetDict's train and evaluation split
+    hub         the Hugging Face Hub: download, or its datasets cache when offline
+    cifar       torchvision's CIFAR pickles, a folder or its .tar.gz
+    formats     a local copy (--data-dir): its format detected, then read
+    synthetic   CIFAR-shaped data made on the spot (--dataset synthetic)
+    carve       an evaluation split carved from train (--val-fraction)
+    sources     a dataset by name or folder, opened, checked and carved: open_source
+    decode      every image of a source decoded once, at one size
+    cache       the decoded data cached on disk, one file per source and size: load_image_data
+    crops       the augmentation both loaders draw: the crop for a size, its box, per-sample seeds
+    stats       per-channel normalisation statistics of the training images
+    transform   a uint8 batch to normalised float on the device, with batched crop and flip
+    device      the device loader: the decoded dataset held on the training device
+    workers     the workers loader: DataLoader workers decode and augment a sample at a time
+    choice      which loader (--loader auto): the decoded size against the memory budget
+
+common.inputs builds a run's loaders from them in one call: load_inputs(options, accelerator).
+"""

@@ -1,0 +1,134 @@
+"""The decoded data cached on disk: one file per source and size, built once, under a lock.
+
+    data = load_image_data("cifar10")                      # decoded, uint8 (N, 3, 32, 32)
+    data = load_image_data(data_dir="~/data/cifar10")      # a local copy, decoded the same way
+
+A second run starts in about a second, and a cached Hub dataset loads with no network access at
+all. A file's name is its key: the Hub repository, or a digest of a local copy's file names,
+sizes and times; then the size and whether unreadable images were skipped. Synthetic data is
+made again each time, never cached.
+"""
+
+import dataclasses
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from common.data.carve import carve_decoded
+from common.data.decode import decode_source, fit_all
+from common.data.formats import detect_format
+from common.data.hub import hub_repo
+from common.data.sources import check_dataset_name, default_cache_dir, open_unchecked
+from common.data.splits import NO_EVAL_SPLIT, ImageData, checked
+from common.data.synthetic import make_synthetic
+from common.errors import UserError, first_line
+from common.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
+                    cache_dir: str | None = None, synthetic_train_size: int = 5000,
+                    synthetic_test_size: int = 1000, synthetic_classes: int = 10, seed: int = 0,
+                    image_size: int | None = None, val_fraction: float | None = None,
+                    skip_bad: bool = False) -> ImageData:
+    """``open_source``'s dataset decoded: every image at ``image_size`` (shorter side resized,
+    centre square cropped) or, with None, at the size all images share. Cached, except synthetic
+    data."""
+    if dataset == "synthetic" and data_dir is None:
+        check_dataset_name(dataset)
+        data = make_synthetic(synthetic_train_size, synthetic_test_size, synthetic_classes, seed)
+        if image_size not in (None, data.train_images.shape[-1]):
+            data = dataclasses.replace(data, train_images=fit_all(data.train_images, image_size),
+                                       test_images=fit_all(data.test_images, image_size))
+        return carve_decoded(data, val_fraction, seed)
+    cache_dir = Path(cache_dir or default_cache_dir())
+    if data_dir is not None:
+        root, files, _ = detect_format(Path(data_dir).expanduser())
+        key = f"dir-{_files_key(root, files())}"
+    else:
+        check_dataset_name(dataset)
+        key = _hub_key(dataset)
+    name = f"{key}{f'-{image_size}px' if image_size else ''}{'-skip' if skip_bad else ''}.pt"
+
+    def build():
+        source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
+                                synthetic_test_size, synthetic_classes, seed)
+        return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad)
+    data = _cached(cache_dir / name, build)
+    if not val_fraction and not len(data.test_labels):  # cached by a run that carved its split
+        where = data.source.split(" (cached at ")[0]
+        raise UserError(f"{where} has no labelled evaluation split; {NO_EVAL_SPLIT}")
+    return carve_decoded(data, val_fraction, seed)
+
+
+def cached_hub_data(dataset: str, cache_dir: str | None,
+                    skip_bad: bool = False) -> ImageData | None:
+    """The Hub dataset as an earlier run decoded and cached it at its own size, else None: with it
+    a run neither asks the Hub nor opens the `datasets` cache."""
+    folder = Path(cache_dir or default_cache_dir())
+    path = folder / f"{_hub_key(dataset)}{'-skip' if skip_bad else ''}.pt"
+    if not path.is_file():
+        return None
+    with FileLock(f"{path}.lock"):  # not while a first run is still writing it
+        try:
+            return _saved(path)
+        except Exception:  # unreadable: load_image_data says so and rebuilds it
+            return None
+
+
+def _hub_key(dataset: str) -> str:
+    return f"hub-{hub_repo(dataset).replace('/', '--')}"
+
+
+def _cached(path: Path, build) -> ImageData:
+    """Load the cache file at `path`, or build the data, save it there atomically and return it.
+
+    Processes that start together (DDP) all call this: the first to take the file lock downloads
+    and decodes, the others wait for the lock and then read its cache. A lock, not a collective
+    barrier, so a long first download is not cut short by the process group's timeout.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        return _load_or_build(path, build)
+
+
+def _load_or_build(path: Path, build) -> ImageData:
+    if path.exists():
+        try:
+            # Mapped, not read: pages come from the file as they are used, and a training script
+            # that moves the data to its GPU keeps no host copy.
+            return _saved(path)
+        except Exception as e:  # a truncated or foreign file only costs a rebuild
+            log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
+                        first_line(e))
+    data = build()
+    cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
+    try:
+        with atomic_write(path) as f:
+            torch.save(vars(cached), f)
+    except OSError as e:
+        log.warning("could not write cache file %s (%s); the next run decodes again", path,
+                    first_line(e))
+        return data
+    return cached
+
+
+def _saved(path: Path) -> ImageData:
+    saved = torch.load(path, weights_only=True, mmap=True)
+    if path.stem.endswith("-skip") and "skipped" not in saved:
+        # its --val-fraction would differ
+        raise ValueError("written before the images skipped were recorded")
+    return ImageData(**saved)
+
+
+def _files_key(root: Path, files: list[Path]) -> str:
+    """A digest of where the files are and of their names, sizes and modification times."""
+    digest = hashlib.sha256(str(root.resolve()).encode())
+    for file in sorted(files):
+        st = file.stat()
+        digest.update(f"\0{file.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]

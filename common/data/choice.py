@@ -1,0 +1,69 @@
+"""Which loader a run takes (--loader): the decoded dataset's size against the memory budget.
+
+--loader auto (the default) takes device when the decoded dataset fits the budget:
+DEVICE_DATA_SHARE of the GPU's free memory and HOST_DATA_SHARE of the host's available memory,
+or --loader-budget. The main process decides, and every process takes its answer.
+"""
+
+import psutil
+import torch
+from accelerate.utils import broadcast_object_list
+
+from common.data.device import DEVICE_DATA_SHARE
+from common.errors import UserError
+
+# Decoding keeps the whole dataset in the host memory of the process that decodes it (and in the
+# page cache after): at most this share of the memory available when the run starts.
+HOST_DATA_SHARE = 0.5
+
+
+def choose_loader(accelerator, wanted: str, images: int, size: int,
+                  budget_gb: float | None) -> tuple[str, str]:
+    """(loader, why): ``wanted`` (device, workers or auto) checked against the main process's
+    budget, so that every process takes the same path even when their free memory differs."""
+    if accelerator.num_processes == 1:
+        return _choose(wanted, images, size, accelerator.device, budget_gb)
+    try:
+        choice = None
+        if accelerator.is_main_process:
+            choice = _choose(wanted, images, size, accelerator.device, budget_gb)
+    except UserError as error:
+        choice = error.message
+    choice = broadcast_object_list([choice])[0]
+    if isinstance(choice, str):  # the main process's refusal, said by every process
+        raise UserError(choice)
+    return tuple(choice)
+
+
+def _choose(wanted: str, images: int, size: int, device: torch.device, budget_gb: float | None):
+    need = images * 3 * size * size
+    budget, of_what = data_budget(device, budget_gb)
+    summary = (f"{images} images at {size}px decoded take {_gb(need)}, budget {_gb(budget)} "
+               f"({of_what})")
+    if wanted == "workers":
+        return "workers", "--loader workers"
+    if need <= budget:
+        return "device", summary if wanted == "auto" else "--loader device"
+    if wanted == "device":
+        raise UserError(f"--loader device: the {images} images at {size}px decoded take "
+                        f"{_gb(need)}, over the budget of {_gb(budget)} ({of_what}); use --loader "
+                        f"workers (or auto)")
+    return "workers", summary
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def data_budget(device: torch.device, budget_gb: float | None) -> tuple[float, str]:
+    """The most the decoded dataset may take, and a description of where the number comes from."""
+    if budget_gb is not None:
+        return budget_gb * 1e9, "--loader-budget"
+    host = HOST_DATA_SHARE * psutil.virtual_memory().available
+    described = f"{HOST_DATA_SHARE:.0%} of the host's available memory"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if DEVICE_DATA_SHARE * free < host:
+            share = f"{DEVICE_DATA_SHARE:.0%} of the free memory of {device}"
+            return DEVICE_DATA_SHARE * free, share
+    return host, described

@@ -1,0 +1,174 @@
+"""A local copy of a dataset (--data-dir): its format detected, then read as undecoded splits.
+
+Any of:
+  - a snapshot of a Hub repository (parquet files named train-*.parquet / test-*.parquet),
+  - a ``DatasetDict.save_to_disk`` folder (has dataset_dict.json),
+  - torchvision's ``cifar-10-batches-py`` / ``cifar-100-python`` folder, or its .tar.gz archive
+    (common.data.cifar),
+  - an image folder in the ImageNet layout: train/<class>/* and one of test/, val/, validation/ or
+    valid/ with the same class folders; JPEG, PNG, WebP, GIF, BMP or TIFF of any size and mode.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+
+from common.data.arrow import from_hf
+from common.data.cifar import read_cifar_pickles, read_cifar_tar
+from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource
+from common.errors import UserError, first_line
+
+DATA_DIR_FORMATS = (
+    "a Hub snapshot with train-*.parquet and test-*.parquet files, a save_to_disk folder "
+    "(dataset_dict.json), cifar-10-batches-py or cifar-100-python (folder or .tar.gz), "
+    "or an image folder train/<class>/* with test/<class>/* (or val/, validation/)"
+)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def open_data_dir(data_dir: Path, cache_dir: Path) -> ImageSource:
+    """The splits of the copy in ``data_dir``; parquet is converted to Arrow under ``cache_dir``."""
+    root, files, reader = detect_format(data_dir)
+    return reader(cache_dir)
+
+
+def detect_format(data_dir: Path):
+    """Return (root, a function listing the files the data is read from, a function of the cache
+    folder that opens them). Listing is for the decoded cache's key only, and costs a stat per
+    file."""
+    if not data_dir.exists():
+        raise UserError(f"--data-dir {data_dir} does not exist; pass a folder holding "
+                        f"{DATA_DIR_FORMATS}")
+    if data_dir.is_file():
+        if data_dir.name.endswith((".tar.gz", ".tgz")):
+            return data_dir.parent, lambda: [data_dir], lambda cache: read_cifar_tar(data_dir)
+        raise UserError(f"--data-dir {data_dir} is a file, not a folder or a .tar.gz; "
+                        f"pass a folder holding {DATA_DIR_FORMATS}")
+    if (data_dir / "dataset_dict.json").is_file():
+        return data_dir, lambda: _all_files(data_dir), lambda cache: _read_saved(data_dir)
+    for folder in (data_dir, data_dir / "cifar-10-batches-py", data_dir / "cifar-100-python"):
+        if (folder / "batches.meta").is_file() or ((folder / "meta").is_file()
+                                                   and (folder / "test").is_file()):
+            return folder, lambda folder=folder: _all_files(folder), \
+                lambda cache, folder=folder: read_cifar_pickles(folder)
+    for archive in (data_dir / "cifar-10-python.tar.gz", data_dir / "cifar-100-python.tar.gz"):
+        if archive.is_file():
+            return data_dir, lambda archive=archive: [archive], \
+                lambda cache, archive=archive: read_cifar_tar(archive)
+    parquet = sorted(data_dir.rglob("*.parquet"))
+    if parquet:
+        files = parquet + [readme for readme in [data_dir / "README.md"] if readme.is_file()]
+        return data_dir, lambda: files, lambda cache: _read_parquet(data_dir, parquet, cache)
+    if (data_dir / "train").is_dir():
+        folders = [data_dir / "train",
+                   *(data_dir / name for name in EVAL_SPLITS if (data_dir / name).is_dir())]
+        return data_dir, lambda: [f for folder in folders for f in _all_files(folder)], \
+            lambda cache: _read_image_folder(data_dir)
+    if not any(data_dir.iterdir()):
+        raise UserError(f"--data-dir {data_dir} is empty; put in it {DATA_DIR_FORMATS}")
+    raise UserError(f"--data-dir {data_dir} holds no data in a known format; expected "
+                    f"{DATA_DIR_FORMATS}")
+
+
+def _all_files(folder: Path) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_file()]
+
+
+def _read_saved(folder: Path) -> ImageSource:
+    import datasets
+
+    try:
+        splits = datasets.load_from_disk(str(folder))
+    except Exception as e:
+        raise UserError(f"cannot read the save_to_disk folder {folder} ({first_line(e)}); "
+                        f"save it again with DatasetDict.save_to_disk") from None
+    return from_hf(splits, f"save_to_disk folder {folder}")
+
+
+def _read_parquet(root: Path, files: list[Path], cache_dir: Path) -> ImageSource:
+    import datasets
+    import pyarrow.parquet
+
+    # The Hub names them train-00000-of-00001.parquet; other tools, e.g. cifar10_train.parquet.
+    by_split = {split: [str(f) for f in files if re.search(rf"(^|[-_.]){split}[-_.]", f.name)]
+                for split in ("train", *EVAL_SPLITS)}
+    by_split = {split: found for split, found in by_split.items() if found}
+    if "train" not in by_split:  # with no test-*.parquet, splits.checked asks for --val-fraction
+        raise UserError(f"--data-dir {root} has parquet files but no train-*.parquet (found "
+                        f"{', '.join(f.name for f in files[:4])}); add the train split")
+    for file in (f for found in by_split.values() for f in found):
+        try:  # reads the footer, so a truncated download is caught here, by name
+            pyarrow.parquet.read_schema(file)
+        except Exception as e:
+            raise UserError(f"cannot read parquet file {file} ({first_line(e)}); download it "
+                            f"again") from None
+    # load_dataset converts parquet to memory-mapped Arrow files, kept in our cache for the workers.
+    try:
+        splits = datasets.load_dataset("parquet", data_files=by_split,
+                                       cache_dir=str(cache_dir / "arrow"))
+    except Exception as e:
+        raise UserError(f"cannot read the parquet files under {root} ({first_line(e)}); "
+                        f"download them again") from None
+    return from_hf(splits, f"parquet files under {root}",
+                   fallback_names=_readme_class_names(root))
+
+
+def _readme_class_names(root: Path) -> list[str] | None:
+    """Class names from the Hub dataset card (README.md), for parquet files that lack the
+    features metadata `datasets` writes into them."""
+    import huggingface_hub
+
+    readme = root / "README.md"
+    if not readme.is_file():
+        return None
+    infos = huggingface_hub.DatasetCard.load(readme).data.dataset_info or []
+    for info in infos if isinstance(infos, list) else [infos]:
+        features = {f.get("name"): f.get("dtype") for f in info.get("features", [])}
+        for column in ("label", "labels", "fine_label", *features):
+            dtype = features.get(column)
+            if isinstance(dtype, dict) and "class_label" in dtype:
+                names = dtype["class_label"]["names"]
+                if isinstance(names, dict):
+                    return [names[k] for k in sorted(names, key=int)]
+                return list(names)
+    return None
+
+
+def _read_image_folder(root: Path) -> ImageSource:
+    """root/train/<class>/* and root/<test, validation, valid or val>/<class>/*, as torchvision's
+    ImageFolder: a class is a folder, its images any file with an image suffix in it or below it."""
+    def class_folders(split):
+        return sorted(p.name for p in (root / split).iterdir()
+                      if p.is_dir() and not p.name.startswith("."))
+    # The first with class folders: a test/ of unlabelled images (as Kaggle's) is not evaluated on.
+    evaluated = next((name for name in EVAL_SPLITS
+                      if (root / name).is_dir() and class_folders(name)), None)
+    classes = class_folders("train")
+    if not classes:
+        raise UserError(f"image folder {root / 'train'} has no class folders; put each class's "
+                        f"images in train/<class>/")
+    eval_classes = class_folders(evaluated) if evaluated else classes
+    if classes != eval_classes:
+        only_train = sorted(set(classes) - set(eval_classes))
+        only_eval = sorted(set(eval_classes) - set(classes))
+        missing = [f"{', '.join(names[:5])} missing from {split}/"
+                   for names, split in ((only_train, evaluated), (only_eval, "train")) if names]
+        raise UserError(f"image folder {root}: the class folders of train/ and {evaluated}/ "
+                        f"differ ({'; '.join(missing)}); give both splits the same class folders")
+    out = []
+    for split in ("train", evaluated) if evaluated else ("train",):
+        files = [(str(path), label) for label, name in enumerate(classes)
+                 for path in sorted((root / split / name).rglob("*"))
+                 if path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
+                 and path.is_file()]
+        if not files:
+            raise UserError(f"image folder {root / split} has no image files "
+                            f"({', '.join(IMAGE_SUFFIXES)}); add the images")
+        labels = torch.tensor([label for _, label in files], dtype=torch.int64)
+        out.append(FileSplit([path for path, _ in files], labels))
+    if evaluated is None:  # the error, unless --val-fraction carves one, is splits.checked's
+        return ImageSource(out[0], None, classes, f"image folder {root} (no test/, val/ or "
+                                                  f"validation/ folder of class folders)")
+    return ImageSource(*out, classes=classes,
+                       source=f"image folder {root}; evaluated on {evaluated}")

@@ -1,0 +1,108 @@
+"""The containers of the input path: undecoded splits, a source's two splits, decoded data.
+
+An undecoded split is read an item at a time: ``encoded(i)`` (what common.data.images.decode
+reads), ``name(i)`` (for errors), ``labels`` (int64) and ``subset(indices)``. FileSplit and
+TensorSplit are here; ArrowSplit, which needs `datasets`, is in common.data.arrow.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from common.errors import UserError
+
+EVAL_SPLITS = ("test", "validation", "valid", "val")  # the first one with labels is evaluated on
+NO_EVAL_SPLIT = "pass --val-fraction 0.1 to evaluate on a share of train"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageData:
+    """Both splits of an image classification dataset, decoded."""
+
+    train_images: torch.Tensor  # uint8, (N, 3, H, W), CPU, contiguous
+    train_labels: torch.Tensor  # int64, (N,)
+    test_images: torch.Tensor  # uint8, (M, 3, H, W)
+    test_labels: torch.Tensor  # int64, (M,)
+    classes: list[str]  # class names, index = label
+    source: str  # one human-readable line: where the data came from and where it is cached
+    # Training images left out as unreadable (--bad-images skip): (S, 2) rows of [index in the
+    # source's training split, label], so that --val-fraction carves what the workers path carves.
+    skipped: torch.Tensor = dataclasses.field(
+        default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
+
+
+class FileSplit:
+    """Image files and their labels."""
+
+    def __init__(self, paths, labels: torch.Tensor):
+        # One numpy array of bytes, not a list of str: a forked worker that reads a Python object
+        # writes its reference count and so copies its page, and over an epoch a worker would copy
+        # every page of a list of a million names (pytorch/pytorch#13246).
+        if not isinstance(paths, np.ndarray):
+            paths = np.array([os.fsencode(p) for p in paths])
+        self.paths = paths
+        self.labels = labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def encoded(self, i: int):
+        return os.fsdecode(self.paths[i])
+
+    def name(self, i: int) -> str:
+        return os.fsdecode(self.paths[i])
+
+    def subset(self, indices: torch.Tensor) -> "FileSplit":
+        return FileSplit(self.paths[indices.numpy()], self.labels[indices])
+
+
+class TensorSplit:
+    """Images already decoded into a uint8 (N, 3, H, W) tensor (CIFAR's pickles, synthetic data)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, where: str):
+        self.images, self.labels, self.where = images, labels, where
+
+    def __len__(self):
+        return len(self.labels)
+
+    def encoded(self, i: int):
+        return self.images[i]
+
+    def name(self, i: int) -> str:
+        return f"{self.where} image {i}"
+
+    def subset(self, indices: torch.Tensor) -> "TensorSplit":
+        return TensorSplit(self.images[indices], self.labels[indices], self.where)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+    """Both splits of a dataset, undecoded."""
+
+    train: object  # FileSplit, ArrowSplit or TensorSplit
+    test: object
+    classes: list[str]
+    source: str  # one human-readable line: where the data came from, which split is evaluated on
+
+
+def checked(source: ImageSource, carving: bool = False) -> ImageSource:
+    """Refuse a missing or empty split, or a label that names no class. ``carving``: the evaluation
+    split is to be carved from train, and the source need not have one."""
+    if source.test is None and not carving:
+        raise UserError(f"{source.source} has no labelled evaluation split; {NO_EVAL_SPLIT}")
+    for split_name, split in (("train", source.train), ("test", source.test)):
+        if split is None:
+            continue
+        if len(split) == 0:
+            raise UserError(f"the {split_name} split of {source.source} is empty; provide a "
+                            f"{split_name} split with images")
+        labels = split.labels
+        bad = labels[(labels < 0) | (labels >= len(source.classes))]
+        if len(bad):
+            names = ", ".join(source.classes[:5])
+            raise UserError(f"{source.source} has {split_name} label {bad[0].item()} but "
+                            f"{len(source.classes)} class names ({names}...); "
+                            f"make every label a class index")
+    return source

@@ -1,0 +1,143 @@
+"""A uint8 batch to normalised float on the device, with batched random crop and flip.
+
+A batch arrives as uint8 (B, 3, H, W) from either loader and is turned into a normalised float
+batch in a few tensor operations on the device that trains. On the device path the crop and flip
+happen here too, for the whole batch at once: per-image PIL transforms on CPU workers were the
+bottleneck in the source articles (docs/benchmark: about 5,600 img/s with torchvision's CIFAR10
+pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores).
+"""
+
+import math
+
+import torch
+
+from common.data.crops import (
+    CROP_RATIO,
+    CROP_SCALE,
+    CROP_TRIES,
+    PADDING,
+    centre_crop_box,
+    crop_mode,
+    sample_seed,
+)
+
+
+class BatchTransform:
+    """Random crop and horizontal flip of a whole batch, then per-channel normalisation.
+
+    The crop is crop_mode's for the batch's image size: up to 64 px zero padding by 4 and a random
+    crop (CIFAR), above a random-resized crop as torchvision's RandomResizedCrop draws it, of the
+    image as held (already resized to the training size), scaled back up to that size.
+
+    ``mean`` and ``std`` are per-channel statistics of the training images in the 0..255 scale
+    (see common.data.stats.channel_stats), so any dataset gets its own normalisation.
+    """
+
+    def __init__(self, mean, std, augment: bool = True, padding: int = PADDING,
+                 channels_last: bool = False):
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.augment = augment
+        self.padding = padding
+        # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def train(self, images: torch.Tensor, seed: tuple[int, ...]) -> torch.Tensor:
+        """Augment and normalise a uint8 batch; the same seed gives the same batch.
+
+        The random numbers come from a generator seeded per batch (``seed`` is a tuple of ints,
+        e.g. (run seed, step)), not from the global RNG, so a resumed run draws exactly what the
+        uninterrupted run drew for that batch.
+        """
+        if not self.augment:
+            return self.normalize(images)
+        generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
+        if crop_mode(max(images.shape[-2:])) == "resized":
+            return self.normalize(self.resized_crop_and_flip(images, generator))
+        return self.normalize(self.crop_and_flip(images, generator))
+
+    def eval(self, images: torch.Tensor) -> torch.Tensor:
+        return self.normalize(images)
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        # Moved once: a copy per batch would make the host wait for the GPU.
+        if self.mean.device != images.device:
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        # One float tensor in the wanted layout, filled by a copy and two in-place passes, with the
+        # values of (images.float() - mean) / std: that allocated three or four (one more to change
+        # the layout), and on a CPU each fresh allocation of a batch costs its page faults again.
+        out = torch.empty(images.shape, dtype=torch.float32, device=images.device,
+                          memory_format=self.memory_format)
+        return out.copy_(images).sub_(self.mean).div_(self.std)
+
+    def crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        b, c, h, w = images.shape
+        p, device = self.padding, images.device
+        padded = torch.nn.functional.pad(images, (p, p, p, p))  # zeros, as torchvision's RandomCrop
+        top = torch.randint(0, 2 * p + 1, (b, 1), device=device, generator=generator)
+        left = torch.randint(0, 2 * p + 1, (b, 1), device=device, generator=generator)
+        rows = top + torch.arange(h, device=device)  # (B, H): source row of each output row
+        cols = torch.arange(w, device=device).expand(b, w)
+        flipped = torch.rand(b, 1, device=device, generator=generator) < 0.5
+        cols = torch.where(flipped, w - 1 - cols, cols)
+        cols = left + cols
+        # One gather does crop and flip for the whole batch: index (B, C, H, W) with broadcasting.
+        batch = torch.arange(b, device=device).view(b, 1, 1, 1)
+        channel = torch.arange(c, device=device).view(1, c, 1, 1)
+        return padded[batch, channel, rows.view(b, 1, h, 1), cols.view(b, 1, 1, w)]
+
+    def resized_crop_and_flip(self, images: torch.Tensor,
+                              generator: torch.Generator) -> torch.Tensor:
+        """A random-resized crop of each image, flipped half the time, back at the images' size:
+        float (B, C, H, W). One grid_sample for the batch, bilinear as torchvision's resize (a crop
+        is never larger than the image, so it is only ever enlarged and needs no antialiasing), with
+        the values of torchvision's resized_crop of the same box in float."""
+        b, _, h, w = images.shape
+        top, left, height, width = resized_crop_boxes(b, h, w, generator)
+        flipped = torch.rand(b, device=images.device, generator=generator) < 0.5
+        # Output pixel centre j of W maps to source pixel centre left + (j + 0.5) * width / W - 0.5,
+        # as torch's bilinear resize with align_corners=False (and the same for rows); in
+        # grid_sample's [-1, 1] coordinates, x = (2 * position + 1) / W - 1. Built element-wise, not
+        # by affine_grid, whose matmul would run in TF32 on GPUs (the scripts' --tf32) and move the
+        # positions by up to a few hundredths of a pixel.
+        def positions(start, length, side, mirrored=None):
+            j = torch.arange(side, device=images.device, dtype=torch.float32) + 0.5
+            if mirrored is not None:
+                j = torch.where(mirrored.view(-1, 1), side - j, j)
+            else:
+                j = j.expand(b, side)
+            source = start.view(-1, 1) + j * (length / side).view(-1, 1) - 0.5
+            # Near its edges the resize reads the crop's edge pixels, not those beyond it.
+            source = source.clamp(start.view(-1, 1), (start + length - 1).view(-1, 1))
+            return (2 * source + 1) / side - 1
+        x, y = positions(left, width, w, flipped), positions(top, height, h)
+        grid = torch.stack([x.view(b, 1, w).expand(b, h, w), y.view(b, h, 1).expand(b, h, w)],
+                           dim=-1)
+        return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear",
+                                               padding_mode="border", align_corners=False)
+
+
+def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Generator):
+    """(top, left, crop height, crop width), each float (count,) on the generator's device: the
+    boxes torchvision's RandomResizedCrop draws with its defaults, for ``count`` images of
+    height x width: 8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform), the first of
+    10 tries that fits, else the largest centre crop within those ratios. In float32, which every
+    device has."""
+    device = generator.device
+    uniform = torch.rand(count, CROP_TRIES, 2, device=device, generator=generator)
+    area = height * width * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * uniform[..., 0])
+    low, high = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    aspect = torch.exp(low + (high - low) * uniform[..., 1])
+    h, w = (area / aspect).sqrt().round(), (area * aspect).sqrt().round()
+    fits = (h > 0) & (h <= height) & (w > 0) & (w <= width)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 if none)
+    h, w, found = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(dim=1)
+    centre_top, centre_left, centre_h, centre_w = centre_crop_box(height, width)  # if none fits
+    h, w = torch.where(found, h, float(centre_h)), torch.where(found, w, float(centre_w))
+    place = torch.rand(count, 2, device=device, generator=generator)
+    # 0 to height - h, each as likely (min: a draw just under 1 may round up to the next integer)
+    top = torch.minimum((place[:, 0] * (height - h + 1)).floor(), height - h)
+    left = torch.minimum((place[:, 1] * (width - w + 1)).floor(), width - w)
+    top = torch.where(found, top, float(centre_top))
+    left = torch.where(found, left, float(centre_left))
+    return top, left, h, w
