@@ -29,7 +29,8 @@ MAX_DIST_TIMEOUT = 10**9
 RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir",
                              "keep_checkpoints", "report_to", "wandb_project", "run_name",
                              "wandb_tags", "wandb_group", "log_every", "checkpoint_every",
-                             "compile", "loader", "workers", "loader_budget", "bad_images"})
+                             "compile", "loader", "workers", "loader_budget", "bad_images",
+                             "lr", "clip_grad"})  # the advice after a diverged run: lower, clip
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,6 +1,7 @@
 """Optimizer and learning-rate schedule: SGD with Nesterov momentum, one-cycle or step decay."""
 
 import bisect
+import math
 
 import torch
 
@@ -34,3 +35,24 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
         return warmup * gamma ** bisect.bisect_right(milestone_steps, step)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_peak_lr(optimizer, scheduler, peak_lr: float, say=print) -> None:
+    """Give a schedule loaded from a checkpoint the peak ``peak_lr``: --resume may lower --lr, as the
+    advice after a diverged run says. Every lr the schedule derives from its peak (the warm-up's
+    start, the floor of the decay, the current one) scales with it, and the schedule goes on from
+    the step it was at; ``say`` tells the change, in one line. Nothing changes for a new run."""
+    group = optimizer.param_groups[0]
+    old = group.get("max_lr", group.get("initial_lr"))  # OneCycleLR's peak, LambdaLR's base lr
+    if old is None or math.isclose(old, peak_lr, rel_tol=1e-9):
+        return
+    factor = peak_lr / old
+    for group in optimizer.param_groups:
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            if key in group:
+                group[key] *= factor
+    inner = getattr(scheduler, "scheduler", scheduler)  # the one that Accelerate's wrapper steps
+    inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+    inner._last_lr = [lr * factor for lr in inner.get_last_lr()]  # what get_last_lr() reads
+    say(f"--lr changed on resume: the schedule's peak lr is {peak_lr:g} (it was {old:g}), every "
+        f"lr of it scaled by {factor:g} from this step on")

@@ -18,8 +18,9 @@ from common.checkpoints import latest_checkpoint, latest_good_checkpoint
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
 # torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
-# for SIGUSR1 ahead of their time limit.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# for SIGUSR1 ahead of their time limit; Ctrl-C sends SIGINT, and a closed terminal or a dropped ssh
+# session SIGHUP. Each saves the step, exactly as SIGTERM does.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: stopped to be continued, not failed
 DIVERGED_EXIT_CODE = 1
 _PR_SET_PDEATHSIG = 1
@@ -64,10 +65,10 @@ class StepGuard:
         self.stop = None  # the Stop the processes agreed on
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGUSR1 set a flag that ``check`` reads (the step in progress finishes), and
-        the kernel sends this process SIGTERM when its launcher dies (PR_SET_PDEATHSIG):
-        `accelerate launch` of one process passes no signal on. Main thread of a training process
-        only."""
+        """SIGTERM, SIGUSR1, SIGINT (Ctrl-C: no KeyboardInterrupt) and SIGHUP set a flag that
+        ``check`` reads (the step in progress finishes), and the kernel sends this process SIGTERM
+        when its launcher dies (PR_SET_PDEATHSIG): `accelerate launch` of one process passes no
+        signal on. Main thread of a training process only."""
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._on_signal)
         _signal_when_parent_dies(signal.SIGTERM)
@@ -125,10 +126,14 @@ class StepGuard:
         if math.isfinite(loss):
             return self._signal_stop() if signalled > 0 else None
         checkpoint = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
-        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr"
-                if checkpoint else "there is no checkpoint yet: start again with a lower --lr")
+        # Advice that works when followed (tests/test_faults_signals.py): --lr may change on resume.
+        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr (the "
+                f"same command with --resume and the new --lr); if the loss had grown large before "
+                f"it, start again with a lower --lr in a new --output-dir" if checkpoint else
+                "there is no checkpoint yet: start again with a lower --lr (the same command with "
+                "--resume and the new --lr starts the run again from step 0)")
         return Stop(False, f"error: the loss is {loss} at step {step}: training stopped and "
-                                 f"nothing of that step was saved; {then}")
+                           f"nothing of that step was saved; {then}")
 
 
 def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -> int:

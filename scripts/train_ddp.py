@@ -46,7 +46,8 @@ from common.inputs import load_inputs
 from common.launch import check_gpus_per_node, check_launch
 from common.models import build_model
 from common.numerics import set_numerics
-from common.optim import build_optimizer, build_scheduler
+from common.optim import build_optimizer, build_scheduler, set_peak_lr
+from common.output import survive_closed_output
 from common.run_folder import lock_run_and_find_resume
 from common.run_record import run_config, write_config
 from common.step_guard import StepGuard, announce_stop
@@ -99,6 +100,7 @@ def build_accelerator(args) -> Accelerator:
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     accelerator = build_accelerator(args)
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
     per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: slice
@@ -114,7 +116,7 @@ def main(args):
     num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes)
+    model = build_model(args.model, num_classes, data.image_size)  # refused if it cannot take it
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
@@ -138,6 +140,7 @@ def main(args):
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
     resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
     write_config(accelerator, output_dir, config)
     start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
                    name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job

@@ -39,7 +39,8 @@ from common.inputs import load_inputs
 from common.launch import require_single_process
 from common.models import build_model
 from common.numerics import set_numerics
-from common.optim import build_optimizer, build_scheduler
+from common.optim import build_optimizer, build_scheduler, set_peak_lr
+from common.output import survive_closed_output
 from common.run_folder import lock_run_and_find_resume
 from common.run_record import run_config, write_config
 from common.step_guard import StepGuard, announce_stop
@@ -81,6 +82,7 @@ def build_accelerator(args) -> Accelerator:
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     accelerator = build_accelerator(args)
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
     per_device_batch = args.batch_size // args.grad_accum  # one device takes each whole micro-batch
@@ -96,7 +98,7 @@ def main(args):
     num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes)
+    model = build_model(args.model, num_classes, data.image_size)  # refused if it cannot take it
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
@@ -118,6 +120,7 @@ def main(args):
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
     resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
     write_config(accelerator, output_dir, config)
     start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
                    name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job

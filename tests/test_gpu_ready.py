@@ -67,7 +67,9 @@ def test_a_non_finite_loss_stops_before_anything_is_saved(tmp_path, capsys):
     assert accelerator.waited == 1 and accelerator.ended == 0  # every process speaks before any exits
     assert capsys.readouterr().err == (
         f"error: the loss is nan at step 42: training stopped and nothing of that step was saved; the last good "
-        f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr\n")
+        f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr (the "
+        f"same command with --resume and the new --lr); if the loss had grown large before it, start again "
+        f"with a lower --lr in a new --output-dir\n")
 
 
 def test_a_gpu_step_is_read_one_step_later_and_at_once_before_a_checkpoint(tmp_path, monkeypatch):

@@ -130,7 +130,10 @@ class _WorkerInit:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        # Ctrl-C and a closed terminal signal the whole process group, workers included: the
+        # training process decides (it saves and stops), a worker that died would fail its step.
+        for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+            signal.signal(stop_signal, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):

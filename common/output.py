@@ -1,0 +1,62 @@
+"""Output that can fail without costing training: stdout and stderr that never raise.
+
+A run's log lines go to a terminal, a pipe or a log collector. When that reader goes away (`... |
+head`, a dead `tee`, a closed ssh session), the next print raises BrokenPipeError (or EIO on a hung
+up terminal) wherever it happens, between a step and its checkpoint. The run's record does not
+depend on them: metrics.jsonl, the checkpoints and wandb hold everything the log lines show.
+"""
+
+import io
+import os
+import sys
+
+
+class _Unbreakable(io.TextIOBase):
+    """A text stream that passes writes on until the first one fails, then sends the rest (and
+    what the failed stream still buffers) to /dev/null, so that no later write or flush, at exit
+    included, raises again."""
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self.stream.write(text)
+            except OSError:
+                self._give_up()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except OSError:
+                self._give_up()
+
+    def _give_up(self) -> None:
+        self.broken = True
+        try:  # the stream's own flush at exit then writes into /dev/null instead of raising
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return not self.broken and self.stream.isatty()
+
+    def __getattr__(self, name):  # encoding, errors, buffer ...: those of the stream
+        return getattr(self.stream, name)
+
+
+def survive_closed_output() -> None:
+    """Replace sys.stdout and sys.stderr by streams that never raise: a closed or broken output
+    drops the rest of the lines and training goes on. Call it first thing in a training process."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unbreakable):
+            setattr(sys, name, _Unbreakable(stream))

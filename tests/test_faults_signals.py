@@ -1,0 +1,154 @@
+"""Faults from outside a run, produced for real: Ctrl-C, a terminal that hangs up, a reader of the
+output that goes away; and the advice a diverged run prints, followed as a user would.
+
+Ctrl-C and a closed terminal signal the whole foreground process group, so the tests send SIGINT
+and SIGHUP to the group of a run started in a session of its own: the training process, its
+DataLoader workers and, under `accelerate launch`, the launcher too.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import BIN, ROOT, user_env, weights
+
+STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
+SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "100",
+         "--model", "resnet20", "--batch-size", "64", "--reference-batch-size", "64", "--epochs", "2",
+         "--report-to", "none"]
+SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *SMALL]
+DDP = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
+       "--num_processes", "2", str(ROOT / "scripts" / "train_ddp.py"), *SMALL]
+
+
+def env(tmp_path) -> dict:
+    return user_env(CIFAR_CACHE_DIR=str(tmp_path / ".cache"), WANDB_MODE="offline")
+
+
+def start(command, tmp_path, **popen) -> subprocess.Popen:
+    """``command`` in a session and process group of its own, as a shell starts a foreground job."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(command, cwd=ROOT, env=env(tmp_path), text=True, start_new_session=True,
+                            stdin=subprocess.DEVNULL, **popen)
+
+
+def wait_for(process, path: Path, timeout=180):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert process.poll() is None, "the run ended before " + str(path)
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def finish(command, tmp_path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([*command, *map(str, extra)], cwd=ROOT, env=env(tmp_path), capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def all_finite(path: Path) -> bool:
+    return all(torch.isfinite(t).all() for t in weights(path).values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hang-up"])
+def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path, signum):
+    """On the workers path, whose DataLoader workers get the signal too: one line, exit 75, the lock
+    released, and --resume finishes the run."""
+    out = tmp_path / "run"
+    command = [*SINGLE, "--loader", "workers", "--workers", "1", "--checkpoint-every", "3"]
+    process = start([*command, "--output-dir", str(out)], tmp_path)
+    wait_for(process, out / "checkpoints" / "step_00000003")
+    os.killpg(process.pid, signum)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == STOPPED, stdout[-2000:] + stderr[-3000:]
+    stops = re.findall(rf"stopped by {signum.name} after step (\d+): the training state is in (\S+);", stdout)
+    assert len(stops) == 1, stdout[-2000:]
+    step, checkpoint = int(stops[0][0]), Path(stops[0][1])
+    assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and (checkpoint / "checkpoint.json").is_file()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert not (out / ".lock").exists() and not (out / "model.safetensors").exists()
+    done = finish(command, tmp_path, "--output-dir", out, "--resume")
+    assert done.returncode == 0 and f"resumed from {checkpoint}" in done.stdout, done.stderr[-3000:]
+    assert "done: step 16" in done.stdout
+
+
+def test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    process = start([*DDP, "--checkpoint-every", "3", "--output-dir", str(out)], tmp_path,
+                    stderr=subprocess.STDOUT)
+    wait_for(process, out / "checkpoints" / "step_00000003")
+    os.killpg(process.pid, signal.SIGINT)
+    output = process.communicate(timeout=120)[0]
+    stops = re.findall(r"stopped by (\S+) after step (\d+): the training state is in (\S+);", output)
+    assert len(stops) == 1 and stops[0][0] == "SIGINT", output[-3000:]  # the main process speaks
+    assert "KeyboardInterrupt" not in output, output[-3000:]
+    checkpoint = out / "checkpoints" / f"step_{int(stops[0][1]):08d}"
+    saved = {p.name for p in checkpoint.iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "checkpoint.json"} <= saved, saved
+    exit_codes = re.findall(r"exitcode\s*: (-?\d+)", output)  # the launcher's table, if it prints one
+    assert set(exit_codes) <= {str(STOPPED)}, output[-3000:]
+    assert not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize("closed", [["stdout"], ["stdout", "stderr"]], ids=["stdout", "both"])
+def test_a_reader_that_goes_away_costs_no_training(tmp_path, closed):
+    """`... | head -1`: the reader takes the start line and closes the pipe; the run goes on to the
+    end with every epoch's checkpoint, its metrics and the final weights."""
+    out = tmp_path / "run"
+    process = start([*SINGLE, "--output-dir", str(out)], tmp_path)
+    first = process.stdout.readline()
+    assert first.startswith("train_single: resnet20 on cpu"), first
+    for name in closed:
+        getattr(process, name).close()
+    returncode = process.wait(timeout=300)
+    stderr = "" if "stderr" in closed else process.stderr.read()
+    assert returncode == 0, stderr[-3000:]
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert (out / "checkpoints" / "step_00000016").is_dir() and all_finite(out)
+
+
+# ------------------------------------------------------------------------- advice, followed
+
+def last_error(stderr: str) -> str:
+    lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+    assert lines, stderr[-3000:]
+    return lines[-1]
+
+
+def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
+    """A run resumed with far too high an lr diverges after its checkpoint: the error names the
+    checkpoint and says to resume from it with a lower --lr; doing so finishes the run, with the
+    schedule scaled to the new peak from the step it was at."""
+    out = tmp_path / "run"
+    assert finish(SINGLE, tmp_path, "--output-dir", out, "--max-steps", 8).returncode == 0
+    diverged = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "1e5")
+    assert diverged.returncode == 1
+    error = last_error(diverged.stderr)
+    assert re.fullmatch(rf"error: the loss is (nan|inf) at step \d+: .*the last good checkpoint is "
+                        rf"{re.escape(str(out))}/checkpoints/step_00000008: resume from it with a lower "
+                        rf"--lr.*", error), error
+    followed = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "0.05")
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "--lr changed on resume: the schedule's peak lr is 0.05 (it was 100000)" in followed.stdout
+    assert "done: step 16" in followed.stdout and all_finite(out)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["lr"] == pytest.approx(0.05 / 25 / 1e4, rel=0.2)  # one-cycle's floor of the new peak
+
+
+def test_the_advice_when_no_checkpoint_was_written_works_when_followed(tmp_path):
+    out = tmp_path / "run"
+    diverged = finish(SINGLE, tmp_path, "--output-dir", out, "--lr", "1e5")
+    assert diverged.returncode == 1 and not (out / "checkpoints").exists()
+    error = last_error(diverged.stderr)
+    assert "there is no checkpoint yet" in error and "--resume" in error, error
+    followed = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "0.05")
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "done: step 16" in followed.stdout and all_finite(out)
