@@ -137,7 +137,7 @@ def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
                         rf"--lr.*", error), error
     followed = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "0.05")
     assert followed.returncode == 0, followed.stderr[-3000:]
-    assert "--lr changed on resume: the schedule's peak lr is 0.05 (it was 100000)" in followed.stdout
+    assert "--lr changed on resume: the schedule's peak lr is 0.05 (it was 0.1)" in followed.stdout
     assert "done: step 16" in followed.stdout and all_finite(out)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["lr"] == pytest.approx(0.05 / 25 / 1e4, rel=0.2)  # one-cycle's floor of the new peak
