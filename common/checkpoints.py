@@ -1,37 +1,44 @@
-"""Checkpoints: when the training state is saved, writing it whole, finding the newest complete one.
+"""Checkpoints: when the training state is saved, writing it whole, finding the newest good one.
 
 A checkpoint is one folder ``checkpoints/step_N`` of Accelerate's ``save_state``, written under a
 temporary name and renamed into place once every file is on the disk, so a process killed while
 saving leaves the previous checkpoint intact. Each ends with checkpoint.json, the list of its files
-and their sizes, which --resume checks before it trusts one (a copy that lost a file, a disk that
-filled). ``Checkpointer`` decides the cadence: the training loop calls its ``save`` after every
-step.
+with their sizes and crc32 digests, which --resume checks before it trusts one (a copy that lost a
+file, a disk that filled, bytes damaged since). A checkpoint that passes the check but does not
+load is skipped for the one before it, on every process alike. ``Checkpointer`` decides the
+cadence: the training loop calls its ``save`` after every step.
 """
 
 import json
 import os
 import re
 import shutil
+import sys
 import zipfile
+import zlib
 from pathlib import Path
 
-from common.errors import UserError, first_line
+from common.errors import first_line
+from common.failures import agree, fail_together, from_main, why_not_written
 from common.files import fsync_dir, fsync_tree, write_json
-from common.run_record import check_resume_config
+from common.run_record import check_resume_config, unwritten_metrics
 
 CHECKPOINT_DIR = "checkpoints"
-MANIFEST = "checkpoint.json"  # a checkpoint's files and sizes, written last
+MANIFEST = "checkpoint.json"  # a checkpoint's files, sizes and digests, written last
+# In the run folder, from the first checkpoint on: a run whose checkpoints are gone was not
+# "stopped before its first checkpoint", and --resume must not start it again over its record.
+WROTE_CHECKPOINTS = ".checkpoints-written"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None:
     """The checkpoint with the highest step (at most ``up_to``), by its name only; unfinished
     temporary folders do not count. ``latest_good_checkpoint`` also checks its files."""
-    steps = _checkpoints(output_dir, up_to)
+    steps = all_checkpoints(output_dir, up_to)
     return steps[0] if steps else None
 
 
-def _checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:
+def all_checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:
     """The checkpoint folders (step_N) at most at step ``up_to``, the newest first."""
     folder = Path(output_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
@@ -46,7 +53,7 @@ def latest_good_checkpoint(output_dir: Path,
     """The newest checkpoint that ``checkpoint_problem`` passes (None if there is none), and the
     problem of each newer one, which it does not."""
     damaged = {}
-    for checkpoint in _checkpoints(output_dir, up_to):
+    for checkpoint in all_checkpoints(output_dir, up_to):
         problem = checkpoint_problem(checkpoint)
         if problem is None:
             return checkpoint, damaged
@@ -58,30 +65,55 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     """What makes a checkpoint folder unusable, naming the file ("optimizer.bin is missing"); None
     when it is complete.
 
-    Every file its checkpoint.json lists must be there with the size it was written with, and read
-    as what it is: a safetensors header that accounts for the whole file, the zip directory at the
-    end of a torch.save file. That costs a few small reads whatever the size of the checkpoint;
-    checksums would read every byte (gigabytes of optimizer state) at each resume, for bit flips
-    that the storage's own checksums catch. Checkpoints of earlier versions, without
-    checkpoint.json, are checked against what save_state writes for the scripts: the model,
-    optimizer, scheduler, the RNG state of each process and the training progress.
+    Every file in the folder must be listed in its checkpoint.json, and every file listed must be
+    there with the size and the crc32 it was written with: bytes damaged since (a bad disk, a copy
+    gone wrong) would otherwise load without a word, and an inf in a BatchNorm buffer trains on to
+    a finite loss. Checkpoints of earlier versions, without digests, are checked by structure: a
+    safetensors header that accounts for the whole file, the zip directory at the end of a
+    torch.save file; without checkpoint.json, against what save_state writes for the scripts: the
+    model, optimizer, scheduler, the RNG state of each process and the training progress.
     """
     checkpoint = Path(checkpoint)
     try:
-        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-        files = {str(name): int(size) for name, size in files.items()}
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        files = {str(name): int(size) for name, size in manifest["files"].items()}
+        digests = {str(name): str(crc) for name, crc in manifest.get("crc32", {}).items()}
     except FileNotFoundError:
         try:
-            files = _files_save_state_writes(checkpoint)
+            files, digests = _files_save_state_writes(checkpoint), {}
         except OSError as error:
             return f"the folder cannot be read ({error.strerror})"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is unreadable"
+    else:
+        try:
+            unlisted = sorted(set(_state_files(checkpoint)) - set(files))
+        except OSError as error:
+            return f"the folder cannot be read ({error.strerror})"
+        if unlisted:
+            return f"{MANIFEST} does not list {unlisted[0]}"
     for name, size in files.items():
-        problem = _file_problem(checkpoint / name, size)
+        problem = _file_problem(checkpoint / name, size, digests.get(name))
         if problem:
             return f"{name} {problem}"
     return None
+
+
+def _state_files(checkpoint: Path) -> list[str]:
+    """The files of a checkpoint folder but its list, as the list names them."""
+    return [p.relative_to(checkpoint).as_posix() for p in sorted(checkpoint.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")]
+
+
+def file_crc32(path: Path) -> str:
+    """A file's crc32, read in 1 MiB pieces. Not sha256: this guards against damage, not forgery,
+    and zlib's crc32 runs at about 2 GB/s here against 1 GB/s for sha256 (256 MB of random bytes,
+    one core), so a checkpoint costs one more read of a file the page cache still holds."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            crc = zlib.crc32(piece, crc)
+    return f"{crc:08x}"
 
 
 def _files_save_state_writes(checkpoint: Path) -> dict[str, int | None]:
@@ -100,11 +132,15 @@ def _files_save_state_writes(checkpoint: Path) -> dict[str, int | None]:
     return dict.fromkeys([*expected, *others])
 
 
-def _file_problem(path: Path, size: int | None) -> str | None:
+def _file_problem(path: Path, size: int | None, crc: str | None) -> str | None:
     try:
         actual = path.stat().st_size
         if size is not None and actual != size:
             return f"has {actual} bytes where {size} were written"
+        if crc is not None:
+            found = file_crc32(path)
+            return (f"is damaged (crc32 {found} where {crc} was written)" if found != crc
+                    else None)
         with open(path, "rb") as f:
             return _content_problem(f, actual, path.suffix)
     except FileNotFoundError:
@@ -145,65 +181,130 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     """Full training state (model, optimizer, scheduler, RNGs, registered objects) at ``step``.
 
     Every process must call this: save_state writes each process's RNG state and waits for all of
-    them (under ``if is_main_process`` it would hang). The main process then lists the files in
-    checkpoint.json, renames the finished folder into place and removes the oldest checkpoints
-    beyond ``keep``.
+    them (under ``if is_main_process`` it would hang). The main process then lists the files with
+    their sizes and digests in checkpoint.json, renames the finished folder into place and removes
+    the oldest checkpoints beyond ``keep``. A write that fails on any process (and metrics.jsonl
+    not written, which write_metrics leaves to be said here) stops every process with one line
+    naming the checkpoint that is intact; the one being written is removed.
     """
-    folder = Path(output_dir) / CHECKPOINT_DIR
+    output_dir = Path(output_dir)
+    folder = output_dir / CHECKPOINT_DIR
     final, partial = folder / f"step_{step:08d}", folder / f".tmp-step_{step:08d}"
+    failure = None
     if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)  # a leftover from a process killed while saving
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(partial))
-        # every process's RNG state is written before the list is made
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            files = {p.relative_to(partial).as_posix(): p.stat().st_size
-                     for p in sorted(partial.rglob("*")) if p.is_file()}
+        failure = unwritten_metrics()  # the epoch's record, which only this process writes
+        if failure is None:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while saving
+                partial.mkdir(parents=True)
+            except OSError as error:
+                failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
+    # the others wait for the folder (and learn of a failure) here
+    failure = from_main(accelerator, failure)
+    if failure is None:
+        try:
+            accelerator.save_state(str(partial))
+        except Exception as error:  # noqa: BLE001 - SafetensorError, RuntimeError, OSError ...
+            failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
+        # every process's files are written (or not) before the list is made
+        failure = agree(accelerator, failure)
+    if failure is None and accelerator.is_main_process:
+        try:
+            files = {name: (partial / name).stat().st_size for name in _state_files(partial)}
+            digests = {name: file_crc32(partial / name) for name in files}
             # last: it lists all the others
-            write_json(partial / MANIFEST, {"step": step, "files": files})
+            write_json(partial / MANIFEST, {"step": step, "files": files, "crc32": digests})
             fsync_tree(partial)
-    except OSError as error:  # a full disk, a quota: keep the previous checkpoint and say so
-        shutil.rmtree(partial, ignore_errors=True)
-        previous = latest_checkpoint(output_dir)
-        raise UserError(f"cannot write checkpoint {final} ({error.strerror or error}); the "
-                        f"previous one, {previous or 'none yet'}, is intact: free space in "
-                        f"{folder.parent} and --resume") from None
-    accelerator.wait_for_everyone()
+            if not (output_dir / WROTE_CHECKPOINTS).exists():
+                write_json(output_dir / WROTE_CHECKPOINTS, {"first": final.name})
+        except Exception as error:  # noqa: BLE001
+            failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
+    failure = from_main(accelerator, failure)
+    if failure is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        fail_together(accelerator, failure + intact_advice(output_dir))
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         fsync_dir(folder)
         # Newer ones than this (left by a run resumed from an older checkpoint, a damaged one among
         # them) are not counted: they are replaced when this run reaches their step.
-        for path in _checkpoints(output_dir, up_to=step)[keep:]:
+        for path in all_checkpoints(output_dir, up_to=step)[keep:]:
             shutil.rmtree(path)
     accelerator.wait_for_everyone()
     return final
 
 
-def load_checkpoint(accelerator, checkpoint: Path) -> None:
-    """accelerator.load_state, with one line when the checkpoint does not fit this script."""
+def intact_advice(output_dir: Path) -> str:
+    """The end of a line saying a write failed: which checkpoint is intact, how to finish."""
+    previous = latest_checkpoint(output_dir)
+    then = f"then run the same command with --output-dir {output_dir} --resume"
+    if previous is None:
+        return (f"; no checkpoint of this run is written yet: free space in {output_dir}, {then} "
+                f"to start it again from step 0")
+    return f"; the checkpoint {previous} is intact: free space in {output_dir}, {then}"
+
+
+def _load_problem(accelerator, checkpoint: Path) -> str | None:
+    """accelerator.load_state; what went wrong in a few words, naming the file; None: loaded."""
     try:
         accelerator.load_state(str(checkpoint))
-    except Exception as error:  # noqa: BLE001
-        # whatever Accelerate or torch met, one line and what to do
-        raise UserError(f"--resume: cannot load {checkpoint} ({first_line(error)}); it was written "
-                        f"by another script or version of it: resume with that one, or start a "
-                        f"new run") from None
+    except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met
+        name = _file_in_traceback(error, Path(checkpoint))
+        return f"{name + ' ' if name else ''}does not load ({first_line(error)})"
+    return None
+
+
+def _file_in_traceback(error: BaseException, checkpoint: Path) -> str | None:
+    """The checkpoint file that the innermost frame reading one was reading, if any: Accelerate
+    does not say which of its files failed to load."""
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, (str, os.PathLike)) and str(value).startswith(str(checkpoint)):
+                path = Path(value)
+                if path.parent == checkpoint and path.is_file():
+                    found = path.name
+        tb = tb.tb_next
+    return found
 
 
 def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress", config: dict,
                 resumable: set[str]) -> None:
     """Continue the run of ``checkpoint`` (None: nothing to continue): check that this run is the
     same experiment (its flags except ``resumable``, its data), load the training state into
-    everything prepared and registered, and forget the metrics of an epoch saved only in part."""
+    everything prepared and registered, and forget the metrics of an epoch saved only in part.
+
+    A checkpoint that does not load on some process is skipped with one warning for the newest
+    complete one before it, on every process (loading that one overwrites all that the failed load
+    changed); one named by --resume stops the run with one line instead.
+    """
     if checkpoint is None:
         return
     check_resume_config(checkpoint, config, resumable)
-    load_checkpoint(accelerator, checkpoint)
+    named = config["args"].get("resume") not in (None, "latest") \
+        and Path(config["args"]["resume"]).resolve() == Path(checkpoint).resolve()
+    while (problem := agree(accelerator, _load_problem(accelerator, checkpoint))) is not None:
+        decision = [None, None]  # the checkpoint to load instead, or the line that stops the run
+        if accelerator.is_main_process:
+            step = int(STEP_DIR.match(Path(checkpoint).name).group(1))
+            older, damaged = latest_good_checkpoint(Path(checkpoint).parent.parent, up_to=step - 1)
+            if named or older is None:
+                decision[1] = (f"--resume: {checkpoint} is damaged ({problem}) and no complete "
+                               f"checkpoint comes before it" if older is None else
+                               f"--resume {checkpoint}: the checkpoint is damaged ({problem}); "
+                               f"pass a complete one, such as {older}")
+            else:
+                skipped = "".join(f"; {bad.name}: {why}" for bad, why in damaged.items())
+                print(f"warning: damaged checkpoint skipped ({Path(checkpoint).name}: {problem}"
+                      f"{skipped}): resuming from {older}, the newest complete one before it",
+                      file=sys.stderr, flush=True)
+                decision[0] = str(older)
+        older, message = from_main(accelerator, decision[0]), from_main(accelerator, decision[1])
+        if message:
+            fail_together(accelerator, message)
+        checkpoint = Path(older)
     progress.history = [m for m in progress.history if m["epoch_complete"]]
     accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, "
                       f"step {progress.step}")

@@ -9,6 +9,7 @@ import torchvision
 
 from common.data.options import DataOptions
 from common.data.sources import check_dataset_name
+from common.data.synthetic import check_synthetic_size
 from common.errors import UserError
 from common.models import TORCHVISION_PREFIX, build_model, model_names
 
@@ -20,9 +21,13 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1
 # The longest --dist-timeout in seconds: gloo keeps a timeout in int64 nanoseconds (~292 years) and
-# refuses a longer one as negative; 1e9 s (~31 years) stays well inside. The shortest is 1 s, as
-# processes start seconds apart and wait for each other at the first collective.
-MAX_DIST_TIMEOUT = 10**9
+# refuses a longer one as negative; 1e9 s (~31 years) stays well inside. The shortest is 10 s: the
+# timeout bounds every wait in a collective, also the others' wait while the main process alone
+# starts the tracker (wandb.init, about 1 s offline here) or writes a checkpoint. Measured on 2
+# gloo CPU processes: 1 s ends the job at the first step (gloo's "Application timeout caused pair
+# closure" while rank 0 starts wandb), 2 s passes on an idle machine; 10 s leaves room for a
+# loaded one. An online tracker or a large model's checkpoint on a slow disk needs more (600).
+MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
@@ -224,6 +229,8 @@ def check_data_args(args: argparse.Namespace) -> None:
     for flag in ("synthetic_train_size", "synthetic_test_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
+    if args.dataset == "synthetic":
+        check_synthetic_size(args.synthetic_train_size, args.synthetic_test_size, args.image_size)
     check_folder("--cache-dir", args.cache_dir)
 
 
@@ -285,9 +292,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.schedule == "step":
         check_milestones(args.milestones, args.epochs)
     timeout = getattr(args, "dist_timeout", None)  # DDP's and AMP's flag
-    if timeout is not None and not 1 <= timeout <= MAX_DIST_TIMEOUT:
-        raise UserError(f"--dist-timeout {timeout}: must be a number of seconds from 1 to "
-                        f"{MAX_DIST_TIMEOUT}, e.g. 600")
+    if timeout is not None and not MIN_DIST_TIMEOUT <= timeout <= MAX_DIST_TIMEOUT:
+        raise UserError(f"--dist-timeout {timeout}: must be a number of seconds from "
+                        f"{MIN_DIST_TIMEOUT} to {MAX_DIST_TIMEOUT}, e.g. 600 (below "
+                        f"{MIN_DIST_TIMEOUT} the others time out while the main process starts "
+                        f"the tracker or writes a checkpoint)")
     check_model_name(args.model)
     check_folder("--output-dir", args.output_dir)
 

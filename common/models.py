@@ -1,24 +1,30 @@
-"""Image classifiers for 32x32 inputs, built by name: ``build_model(args.model, num_classes)``.
+"""Image classifiers built by name: ``build_model(args.model, num_classes, data.image_size)``.
 
 - ``resnet18``, ``resnet34``, ``resnet50``: torchvision's ResNets with the CIFAR stem (3x3 stride-1
   first convolution, no max pool), as in kuangliu/pytorch-cifar ``models/resnet.py``.
 - ``resnet20``, ``resnet32``, ``resnet56``: the CIFAR ResNets of He et al., "Deep Residual Learning
   for Image Recognition" (arXiv:1512.03385), section 4.2: 0.27 M, 0.46 M, 0.85 M parameters.
-- ``torchvision:NAME``: any torchvision classification model, unchanged (ImageNet stem), e.g.
-  ``torchvision:resnet50``, the ResNet-50 that multi-GPU benchmarks on CIFAR-10 often train as is.
-  Some accept only their ImageNet resolution (the ViTs fail on 32x32 at the first forward).
+- ``torchvision:NAME``: any torchvision classification model with its ImageNet stem, e.g.
+  ``torchvision:resnet50``, the ResNet-50 that multi-GPU benchmarks on CIFAR-10 often train as is;
+  googlenet and inception_v3 without their auxiliary classifiers. One that cannot take the data's
+  image size (the ViTs take 224 px only, inception_v3 75 px and more) is refused when built, with
+  the size it needs, before a run writes anything.
 
-Weights are always random (``weights=None``): nothing is downloaded.
+Our own models take any size from 8 px (global average pooling before the classifier). Weights are
+always random (``weights=None``): nothing is downloaded.
 """
 
+import copy
 import difflib
+import itertools
+import warnings
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 
 TORCHVISION_PREFIX = "torchvision:"
 _CIFAR_STEM = {"resnet18": torchvision.models.resnet18, "resnet34": torchvision.models.resnet34,
@@ -90,9 +96,10 @@ def model_names() -> list[str]:
     return [*_CIFAR_STEM, *_BLOCKS_PER_STAGE]
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """A randomly initialised, unwrapped module: (B, 3, 32, 32) images to (B, num_classes)
-    logits."""
+def build_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+    """A randomly initialised, unwrapped module: (B, 3, N, N) images to (B, num_classes) logits.
+    A torchvision model that cannot take ``image_size`` (N; None: not checked) is a UserError
+    naming the size it needs."""
     if name in _CIFAR_STEM:
         return _with_cifar_stem(_CIFAR_STEM[name](weights=None, num_classes=num_classes))
     if name in _BLOCKS_PER_STAGE:
@@ -107,6 +114,103 @@ def build_model(name: str, num_classes: int) -> nn.Module:
             hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, mobilenet_v3_small"
             raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} "
                             f"({hint}); {rule}")
-        return torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes)
+        return _torchvision_model(name, tv_name, num_classes, image_size)
     raise UserError(f"unknown model {name!r}: choose one of {', '.join(model_names())}, "
                     f"or torchvision:NAME (e.g. torchvision:resnet50) where {rule}")
+
+
+def _torchvision_model(name: str, tv_name: str, num_classes: int,
+                       image_size: int | None) -> nn.Module:
+    def build(**kwargs):
+        with warnings.catch_warnings():
+            # googlenet and inception_v3 warn that their default init will change; it is the one
+            # they are trained with, and init_weights=True, which silences it, is theirs only.
+            warnings.filterwarnings("ignore", message="The default weight initialization")
+            return torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes,
+                                                **kwargs)
+    model = build()
+    if getattr(model, "aux_logits", False):
+        # googlenet and inception_v3 return (logits, auxiliary logits) in training mode: the extra
+        # heads helped their ImageNet training from scratch (Szegedy et al. 2015, 2016), but a
+        # training loop takes logits. Without pretrained weights they can be left out.
+        model = build(aux_logits=False)
+    if image_size is not None:
+        _check_image_size(_shapes_only(model), name, num_classes, image_size)
+    return model
+
+
+def _shapes_only(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device: its modules, no data. A forward there computes
+    shapes only, in milliseconds at any size, and leaves the model and the random number generator
+    alone (a 1-image forward on the CPU takes seconds at 224 px for the larger models)."""
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
+    return copy.deepcopy(model, memo)
+
+
+# torchvision's classifiers are made for ImageNet's 224 px: every one takes it (inception_v3, made
+# for 299, too), so the sizes a model needs are looked for below it.
+REFERENCE_SIZE = 224
+
+
+def _check_image_size(probe: nn.Module, name: str, num_classes: int, size: int) -> None:
+    """Refuse ``size`` x ``size`` images if ``probe`` (on the meta device) cannot train on them,
+    naming the size it needs: found by trying sizes, not from a table of models, so that a model
+    torchvision adds is covered too."""
+    why = _cannot_train(probe, num_classes, size)
+    if why is None:
+        return
+    if _cannot_train(probe, num_classes, REFERENCE_SIZE) is not None:
+        raise UserError(f"--model {name} cannot take {size}x{size} images ({why}); try "
+                        f"another --image-size or --model")
+    # The sizes it takes around the reference size, by bisection: too small an input is what
+    # fails in the models that take a range of sizes (inception_v3, alexnet, convnext ...), and
+    # another than the one it was built for in those made for one (the ViTs, maxvit).
+    smallest = _bisect(probe, num_classes, 7, REFERENCE_SIZE)
+    largest = None
+    if _cannot_train(probe, num_classes, 2 * REFERENCE_SIZE):
+        largest = _bisect(probe, num_classes, REFERENCE_SIZE, 2 * REFERENCE_SIZE) - 1
+    if smallest == largest:
+        what, fix = f"takes {smallest}x{smallest} images only", f"{smallest}"
+    elif largest is not None:
+        what = f"takes images from {smallest}x{smallest} to {largest}x{largest} only"
+        fix = f"{REFERENCE_SIZE}"
+    elif size < smallest:
+        what, fix = f"needs images of at least {smallest}x{smallest}", f"{smallest} or more"
+    else:
+        what, fix = f"takes {REFERENCE_SIZE}x{REFERENCE_SIZE} images", f"{REFERENCE_SIZE}"
+    raise UserError(f"--model {name} {what}, not {size}x{size} ({why}); pass --image-size {fix}")
+
+
+def _bisect(probe: nn.Module, num_classes: int, low: int, high: int) -> int:
+    """The size between ``low`` and ``high`` where the model's verdict changes: the first taken
+    after refused ones, or the first refused after taken ones."""
+    taken_high = _cannot_train(probe, num_classes, high) is None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if (_cannot_train(probe, num_classes, middle) is None) == taken_high:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _cannot_train(probe: nn.Module, num_classes: int, size: int) -> str | None:
+    """Why a training forward of two size x size images fails, in a few words, or None. On the
+    meta device only shapes are computed: the same errors as on a real device, for free."""
+    try:
+        with torch.no_grad():
+            out = probe.train()(torch.zeros(2, 3, size, size, device="meta"))
+    except NotImplementedError:  # an operator with no meta kernel: nothing known, let it train
+        return None
+    except Exception as e:  # whatever the model raises: a size check, a convolution, a reshape
+        why = first_line(e)
+        return why if len(why) <= 90 else f"{why[:87]}..."
+    if not isinstance(out, torch.Tensor):
+        return f"it returns {type(out).__name__}, not logits, in training mode"
+    if out.shape != (2, num_classes):
+        return f"its output has the shape {tuple(out.shape)}, not (2, {num_classes})"
+    return None

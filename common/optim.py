@@ -38,8 +38,8 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
 
 
 def set_peak_lr(optimizer, scheduler, peak_lr: float, say=print) -> None:
-    """Give a schedule loaded from a checkpoint the peak ``peak_lr``: --resume may lower --lr, as the
-    advice after a diverged run says. Every lr the schedule derives from its peak (the warm-up's
+    """Give a schedule loaded from a checkpoint the peak ``peak_lr``: --resume may lower --lr, as
+    the advice after a diverged run says. Every lr the schedule derives from its peak (the warm-up's
     start, the floor of the decay, the current one) scales with it, and the schedule goes on from
     the step it was at; ``say`` tells the change, in one line. Nothing changes for a new run."""
     group = optimizer.param_groups[0]

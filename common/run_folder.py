@@ -3,8 +3,11 @@
 A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted or SLURM
 requeued continues from the newest complete checkpoint of its folder by itself. The main process
 decides, holding the folder's lock (common/run_lock.py), and the other processes learn its decision.
+What a run has recorded is never replaced by a resume: an older checkpoint of a run that went on
+from it continues only in a new folder, and a run whose checkpoints are gone is not started again.
 """
 
+import json
 import os
 import sys
 import time
@@ -12,10 +15,20 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from common.checkpoints import (CHECKPOINT_DIR, STEP_DIR, checkpoint_problem, latest_checkpoint,
-                                latest_good_checkpoint)
+from common.checkpoints import (
+    CHECKPOINT_DIR,
+    STEP_DIR,
+    WROTE_CHECKPOINTS,
+    all_checkpoints,
+    checkpoint_problem,
+    latest_checkpoint,
+    latest_good_checkpoint,
+)
 from common.errors import UserError
+from common.failures import fail_together
 from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
+from common.weights import read_metadata
+
 
 def new_run_dir(script: str, root: str = "runs") -> Path:
     """A folder name no earlier run has used: runs/<script>-<date>-<time>[-N]."""
@@ -45,11 +58,12 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
             and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        raise UserError("a restartable launch (--max_restarts) needs --output-dir, so that a "
-                        "restarted worker finds the run's checkpoints: add --output-dir runs/NAME")
+        fail_together(accelerator, "a restartable launch (--max_restarts) needs --output-dir, so "
+                      "that a restarted worker finds the run's checkpoints: add --output-dir "
+                      "runs/NAME")
     if resume == "latest" and output_dir is None:
-        raise UserError("--resume needs --output-dir (the folder of the run to continue) or a "
-                        "checkpoint: --resume runs/NAME/checkpoints/step_NNNNNNNN")
+        fail_together(accelerator, "--resume needs --output-dir (the folder of the run to "
+                      "continue) or a checkpoint: --resume runs/NAME/checkpoints/step_NNNNNNNN")
     if output_dir:
         path = Path(output_dir)
     elif given is not None:
@@ -59,9 +73,9 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     # processes started a second apart must agree
     path = Path(broadcast_object_list([str(path)])[0])
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
-        raise UserError(f"--resume {given}: not a checkpoint folder; pass "
-                        f"runs/NAME/checkpoints/step_NNNNNNNN or --resume alone for the newest "
-                        f"checkpoint of --output-dir")
+        fail_together(accelerator, f"--resume {given}: not a checkpoint folder; pass "
+                      f"runs/NAME/checkpoints/step_NNNNNNNN or --resume alone for the newest "
+                      f"checkpoint of --output-dir")
     decision = [None, None]  # the checkpoint to continue from, or the line that stops every process
     if accelerator.is_main_process:
         lock = None
@@ -76,7 +90,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             decision[1] = error.message
     checkpoint, message = broadcast_object_list(decision)  # every process has waited for the checks
     if message:
-        raise UserError(message)
+        fail_together(accelerator, message)  # one line, from the main process
     # nothing written yet, so bad input leaves nothing
     return path, Path(checkpoint) if checkpoint else None
 
@@ -85,6 +99,8 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
                        restarted: bool) -> str | None:
     """lock_run_and_find_resume's decision, on the main process, holding the lock."""
     if given is not None:
+        if restarted and (latest_checkpoint(path) or given).name > given.name:
+            return _newest_complete(path, "")  # this job's own checkpoints, since its start
         problem = checkpoint_problem(given)
         if problem:
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
@@ -92,6 +108,8 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
                             f"of --output-dir")
         if path != given.parent.parent:
             check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
+        else:
+            check_no_later_record(path, given)
         return str(given)
     # None: the worker died before the first checkpoint; start again in the same folder
     if restarted:
@@ -100,6 +118,11 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
     if not resume:
         return None
     checkpoint = _newest_complete(path, "--resume: ")
+    if checkpoint is None and (path / WROTE_CHECKPOINTS).exists():
+        raise UserError(f"--resume: the run in {path} wrote checkpoints but none is left in "
+                        f"{path / CHECKPOINT_DIR} ({_recorded_epochs(path) or 'no metrics.jsonl'})"
+                        f": put them back, or start a new run in another --output-dir; nothing of "
+                        f"the run was changed")
     if checkpoint is None:
         # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
         # is continued, so this run may have other flags (a smaller --batch-size after running out
@@ -124,6 +147,36 @@ def _newest_complete(path: Path, prefix: str) -> str | None:
         print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): "
               f"resuming from {checkpoint}, the newest complete one", file=sys.stderr, flush=True)
     return str(checkpoint) if checkpoint else None
+
+
+def check_no_later_record(path: Path, given: Path) -> None:
+    """--resume with an older checkpoint of a run that went on from it: continuing in place would
+    replace its weights and metrics and leave two timelines in one folder."""
+    step = int(STEP_DIR.match(given.name).group(1))
+    newer = [c for c in all_checkpoints(path) if int(STEP_DIR.match(c.name).group(1)) > step]
+    weights = path / "model.safetensors"
+    # the weights of its last step: resuming from that step is --resume alone
+    finished = weights.exists() and read_metadata(weights).get("step", step + 1) > step
+    if not newer and not finished:
+        return
+    went_on = (f"has finished (model.safetensors; {_recorded_epochs(path) or 'no metrics'})"
+               if finished else f"went on to {newer[0].name}")
+    newest = "" if finished else ", or --resume alone to continue from its newest checkpoint"
+    raise UserError(f"--resume {given}: the run in {path} {went_on}; continuing it from "
+                    f"{given.name} in place would replace its record: add --output-dir NEW to "
+                    f"continue from {given.name} in a new folder{newest}")
+
+
+def _recorded_epochs(path: Path) -> str:
+    """What metrics.jsonl says of a run: "metrics.jsonl records 3 epochs to step 48"."""
+    try:
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+        last = records[-1]
+        return (f"metrics.jsonl records {len(records)} epoch{'s' * (len(records) > 1)} to step "
+                f"{last['step']}")
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return ""
 
 
 def check_output_dir(output_dir: Path, resume: str | None) -> None:

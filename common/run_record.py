@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from common.errors import UserError
+from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write, write_json
 
 
@@ -80,15 +81,43 @@ def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> 
                             f"settings of that run, or start a new run")
 
 
+# metrics.jsonl that the main process could not write, said by the next collective step
+# (save_checkpoint, which follows every epoch's record): only the main process writes it, and the
+# others, already on their way to that step, would wait there for it until --dist-timeout.
+_unwritten = None
+
+
 def write_metrics(output_dir: Path, history: list[dict]) -> None:
     """metrics.jsonl: one JSON object per line, rewritten whole so it always matches the
-    checkpoint."""
-    with atomic_write(Path(output_dir) / "metrics.jsonl") as f:
-        f.write("".join(json.dumps(m) + "\n" for m in history).encode())
+    checkpoint. A write that fails leaves the previous file and is reported by the next
+    checkpoint (``unwritten_metrics``), on every process."""
+    global _unwritten
+    path = Path(output_dir) / "metrics.jsonl"
+    try:
+        with atomic_write(path) as f:
+            f.write("".join(json.dumps(m) + "\n" for m in history).encode())
+    except Exception as error:  # noqa: BLE001 - a full disk, whatever raises it
+        epoch = f" after epoch {history[-1].get('epoch')}" if history else ""
+        _unwritten = f"cannot write {path} ({why_not_written(error, path)}){epoch}"
+
+
+def unwritten_metrics() -> str | None:
+    """The line for metrics.jsonl not written since the last call (None: it was)."""
+    global _unwritten
+    failure, _unwritten = _unwritten, None
+    return failure
 
 
 def write_config(accelerator, output_dir: Path, config: dict) -> None:
     """config.json, by the main process, once per run: a resumed run keeps the record of the run
-    it continues."""
-    if accelerator.is_main_process and not (Path(output_dir) / "config.json").exists():
-        write_json(Path(output_dir) / "config.json", config)
+    it continues. A failed write stops every process with one line."""
+    path = Path(output_dir) / "config.json"
+    failure = None
+    if accelerator.is_main_process and not path.exists():
+        try:
+            write_json(path, config)
+        except Exception as error:  # noqa: BLE001
+            failure = (f"cannot write {path} ({why_not_written(error, path)}): free space in "
+                       f"{output_dir}, then run the same command again")
+    if (failure := from_main(accelerator, failure)) is not None:
+        fail_together(accelerator, failure)

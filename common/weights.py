@@ -6,6 +6,7 @@ model.
 """
 
 import json
+import re
 from pathlib import Path
 
 import safetensors
@@ -13,10 +14,14 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
+from common.checkpoints import CHECKPOINT_DIR, intact_advice
 from common.errors import UserError
+from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write
+from common.run_record import unwritten_metrics
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages
 
 
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
@@ -67,14 +72,37 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise UserError(f"--weights {path}: cannot read it ({type(error).__name__}: {error}); "
-                        f"pass a .safetensors file or a torch.save'd state dict") from None
+        raise UserError(f"--weights {path}: cannot read it ({_plain(error)}); pass a "
+                        f".safetensors file or a torch.save'd state dict") from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"--weights {path}: not a state dict of tensors")
     return strip_wrapper_prefixes(state)
+
+
+def _plain(error: Exception) -> str:
+    """A loading error in one plain line. torch's refusal of a pickle that holds objects is several
+    lines in terminal colours, advising weights_only=False (which runs the file's code): its one
+    telling line, "Unsupported global: GLOBAL __main__.Net ...", is kept."""
+    text = _ANSI.sub("", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    told = next((line.split("error:", 1)[1].strip() for line in lines
+                 if "WeightsUnpickler error:" in line), None)
+    if told:
+        told = told.split(" was not ", 1)[0].split(". ", 1)[0]
+        return (f"it holds pickled objects, not only tensors: {told}; save model.state_dict() "
+                f"instead")
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def non_finite(state: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor of ``state`` holding a NaN or an infinity, as "name: n of m values"."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not (finite := torch.isfinite(tensor)).all():
+            return f"{name}: {(~finite).sum().item()} of {tensor.numel()} values"
+    return None
 
 
 def strip_wrapper_prefixes(state: dict) -> dict:
@@ -95,11 +123,31 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
     """model.safetensors of a finished run, written by the main process: the weights of the
     unwrapped ``model`` (unwrap_model strips DDP and DataParallel, save_weights the _orig_mod. of
     --compile), so they load into a plain model, and in its metadata the model name, the step and
-    EVALUATION of the run's ``config``: all that scripts/evaluate.py needs besides the images."""
+    EVALUATION of the run's ``config``: all that scripts/evaluate.py needs besides the images.
+
+    Weights that are not finite are not written, nor is a file the disk cannot hold: every process
+    stops with one line, and the run's checkpoints stay as they are."""
     path = Path(output_dir) / "model.safetensors"
+    failure = None
     if accelerator.is_main_process:
-        metadata = {"model": config["args"]["model"], "step": step,
-                    "channels_last": config["args"]["channels_last"],
-                    **{key: config[key] for key in EVALUATION if key in config}}
-        save_weights(accelerator.unwrap_model(model), path, metadata)
+        state = strip_wrapper_prefixes(accelerator.unwrap_model(model).state_dict())
+        if (failure := unwritten_metrics()) is not None:
+            failure += intact_advice(output_dir)
+        elif bad := non_finite(state):
+            failure = (f"the final weights are not finite ({bad} NaN or infinite) at step {step}: "
+                       f"{path} was not written, and the run's checkpoints in "
+                       f"{Path(output_dir) / CHECKPOINT_DIR} are intact; resume from an earlier "
+                       f"one into a new --output-dir (--resume CHECKPOINT --output-dir NEW), or "
+                       f"start again")
+        else:
+            metadata = {"model": config["args"]["model"], "step": step,
+                        "channels_last": config["args"]["channels_last"],
+                        **{key: config[key] for key in EVALUATION if key in config}}
+            try:
+                save_weights(accelerator.unwrap_model(model), path, metadata)
+            except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...
+                failure = (f"cannot write {path} ({why_not_written(error, path)})"
+                           f"{intact_advice(output_dir)} to write the weights")
+    if (failure := from_main(accelerator, failure)) is not None:
+        fail_together(accelerator, failure)
     return path

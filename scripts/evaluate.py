@@ -24,7 +24,7 @@ from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_test_inputs
 from common.models import build_model
-from common.weights import load_weights, read_metadata
+from common.weights import load_weights, non_finite, read_metadata
 
 
 def parse_args(argv=None):
@@ -49,6 +49,9 @@ def parse_args(argv=None):
 
 def main(args):
     state_dict = load_weights(args.weights)
+    if bad := non_finite(state_dict):  # an accuracy of such weights would mean nothing
+        raise UserError(f"--weights {args.weights}: the weights are not finite ({bad} NaN or "
+                        f"infinite): not evaluated; use weights of a run that stayed finite")
     stored = read_metadata(args.weights)  # empty for files other than our model.safetensors
     model_name = args.model or stored.get("model")
     if model_name is None:

@@ -1,7 +1,6 @@
 """Bad input: one line naming the wrong value and what to do, a non-zero exit within seconds, and
 nothing lost. The same list is the table of docs/bad-input.md."""
 
-import errno
 import hashlib
 import importlib.util
 import os
@@ -37,7 +36,8 @@ def make_run(folder: Path, model="resnet20"):
     """An earlier run's record: config.json, a checkpoint, weights."""
     (folder / "checkpoints" / "step_00000004").mkdir(parents=True)
     (folder / "checkpoints" / "step_00000004" / "model.safetensors").write_bytes(b"weights of an earlier run")
-    (folder / "checkpoints" / "step_00000004" / "checkpoint.json").write_text('{"files": {}}')  # complete, as listed
+    (folder / "checkpoints" / "step_00000004" / "checkpoint.json").write_text(  # complete, as listed
+        '{"files": {"model.safetensors": 25}, "crc32": {"model.safetensors": "9856a234"}}')
     (folder / "config.json").write_text('{"args": {"model": "%s", "batch_size": 64}}' % model)
     (folder / "model.safetensors").write_bytes(b"final weights of an earlier run")
 
@@ -281,25 +281,41 @@ def test_more_processes_than_gpus(monkeypatch):
 
 
 def test_no_disk_space_for_a_checkpoint(tmp_path):
-    """The failed checkpoint is removed, the previous one stays, and the line says what to do."""
-    previous = tmp_path / "checkpoints" / "step_00000004"
-    previous.mkdir(parents=True)
-    (previous / "model.safetensors").write_bytes(b"good")
+    """A real full disk (a 3 MB tmpfs; root only): safetensors raises SafetensorError, not OSError.
+    The failed checkpoint is removed, the previous one stays whole, and the line says what to do."""
+    import shutil
+    import subprocess
 
-    class FullDisk:
-        is_main_process = True
+    import torch
+    from accelerate import Accelerator
 
-        def wait_for_everyone(self):
-            pass
+    from common.checkpoints import TrainProgress, checkpoint_problem
 
-        def save_state(self, folder):
-            Path(folder, "model.safetensors").write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    with pytest.raises(UserError) as error:
-        save_checkpoint(FullDisk(), tmp_path, step=8, keep=2)
-    assert error.value.message == (f"cannot write checkpoint {tmp_path}/checkpoints/step_00000008 (No space left "
-                                   f"on device); the previous one, {previous}, is intact: free space in {tmp_path} "
-                                   f"and --resume")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
-    assert (previous / "model.safetensors").read_bytes() == b"good"
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(300, 300)  # 360 kB of weights, as much momentum
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(TrainProgress())
+        model(torch.ones(2, 300)).sum().backward()
+        optimizer.step()
+        previous = save_checkpoint(accelerator, disk, step=4, keep=2)
+        (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - (200 << 10)))
+        with pytest.raises(UserError) as error:
+            save_checkpoint(accelerator, disk, step=8, keep=2)
+        assert error.value.message == (f"cannot write checkpoint {disk}/checkpoints/step_00000008 (no space left on "
+                                       f"the device); the checkpoint {previous} is intact: free space in {disk}, then "
+                                       f"run the same command with --output-dir {disk} --resume")
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000004"]
+        assert checkpoint_problem(previous) is None
+        accelerator.load_state(str(previous))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -141,6 +141,11 @@ def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
     assert "done: step 16" in followed.stdout and all_finite(out)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["lr"] == pytest.approx(0.05 / 25 / 1e4, rel=0.2)  # one-cycle's floor of the new peak
+    # fp16's advice after 100 skipped steps (a GPU's; its form here): an older checkpoint of the run,
+    # continued in a new folder with a lower --lr and --clip-grad.
+    elsewhere = finish(SINGLE, tmp_path, "--resume", out / "checkpoints" / "step_00000008", "--output-dir",
+                       tmp_path / "new", "--lr", "0.05", "--clip-grad", "1")
+    assert elsewhere.returncode == 0 and "done: step 16" in elsewhere.stdout, elsewhere.stderr[-3000:]
 
 
 def test_the_advice_when_no_checkpoint_was_written_works_when_followed(tmp_path):

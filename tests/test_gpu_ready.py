@@ -159,7 +159,9 @@ def test_fp16_stops_after_100_skipped_steps_in_a_row(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: fp16 skipped 100 steps in a row (103 to 202) because the gradients overflowed "
                           "at every loss scale (now 9.31323e-10): training diverged and stopped; the newest "
-                          f"checkpoint before them is {tmp_path / 'checkpoints' / 'step_00000100'}")
+                          f"checkpoint before them is {tmp_path / 'checkpoints' / 'step_00000100'}: continue "
+                          f"from it with a lower --lr or --clip-grad (the same command with --resume "
+                          f"{tmp_path / 'checkpoints' / 'step_00000100'} --output-dir NEW and the new flag)")
     assert err.count("\n") == 1
 
 

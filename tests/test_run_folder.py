@@ -23,8 +23,9 @@ from helpers import ROOT, run
 from common.checkpoints import (
     TrainProgress,
     checkpoint_problem,
+    file_crc32,
     latest_good_checkpoint,
-    load_checkpoint,
+    resume_from,
     save_checkpoint,
 )
 from common.errors import UserError
@@ -99,6 +100,7 @@ def test_a_checkpoint_lists_its_files_last(saved):
     manifest = json.loads((checkpoint / "checkpoint.json").read_text())
     assert manifest["step"] == 8
     assert manifest["files"] == {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name != "checkpoint.json"}
+    assert manifest["crc32"] == {name: file_crc32(checkpoint / name) for name in manifest["files"]}
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
                                       "custom_checkpoint_0.pkl"}
     assert checkpoint_problem(checkpoint) is None
@@ -188,14 +190,18 @@ def test_a_requeued_slurm_job_resumes_by_itself(out, monkeypatch, capsys):
 
 
 def test_a_checkpoint_that_passes_the_checks_but_does_not_load_gets_one_line(tmp_path):
-    """The checks read structure, not content: load_checkpoint's own line stays for the rest."""
+    """A checkpoint of an earlier version (no digests) can pass the checks and still not load: with
+    nothing before it, one line naming the file, not a guess about another script."""
     checkpoint = tmp_path / "checkpoints" / "step_00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / "pytorch_model.bin").write_bytes(b"not a state dict")
     (checkpoint / "checkpoint.json").write_text('{"files": {"pytorch_model.bin": 16}}')
+    (tmp_path / "config.json").write_text('{"args": {}}')
     assert checkpoint_problem(checkpoint) is None
-    with pytest.raises(UserError, match=f"--resume: cannot load {checkpoint} \\("):
-        load_checkpoint(tiny_accelerator(), checkpoint)
+    with pytest.raises(UserError) as error:
+        resume_from(tiny_accelerator(), checkpoint, TrainProgress(), {"args": {}}, set())
+    assert error.value.message.startswith(f"--resume: {checkpoint} is damaged (pytorch_model.bin does not load (")
+    assert error.value.message.endswith(") and no complete checkpoint comes before it")
 
 
 def test_saving_keeps_the_newest_up_to_this_step(out):
@@ -373,8 +379,8 @@ def trained(tmp_path_factory):
 
 
 def test_a_finished_run_gives_its_lock_back(trained):
-    assert sorted(p.name for p in trained.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
-                                                         "model.safetensors"]
+    assert sorted(p.name for p in trained.iterdir()) == [".checkpoints-written", "checkpoints", "config.json",
+                                                         "metrics.jsonl", "model.safetensors"]
     for checkpoint in (trained / "checkpoints").iterdir():
         assert checkpoint_problem(checkpoint) is None and (checkpoint / "checkpoint.json").is_file()
 

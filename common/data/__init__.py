@@ -1,6 +1,7 @@
 """The training scripts' input path, one module per job; data and imports flow down this list.
 
-    options     DataOptions: the values of the data flags, all that the input path is told
+    options     DataOptions: the values of the data flags, all that the input path is told;
+                the cache folder (--cache-dir or its default), made when needed
     splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
     images      one image decoded to uint8 RGB and fitted to N x N
     arrow       `datasets` tables as splits, and a DatasetDict's train and evaluation split

@@ -12,6 +12,7 @@ made again each time, never cached.
 import dataclasses
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -21,8 +22,9 @@ from common.data.carve import carve_decoded
 from common.data.decode import decode_source, fit_all
 from common.data.formats import detect_format
 from common.data.hub import hub_repo
-from common.data.sources import check_dataset_name, default_cache_dir, open_unchecked
-from common.data.splits import NO_EVAL_SPLIT, ImageData, checked
+from common.data.options import cache_folder, default_cache_dir
+from common.data.sources import check_dataset_name, open_unchecked
+from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
 from common.data.synthetic import make_synthetic
 from common.errors import UserError, first_line
 from common.files import atomic_write
@@ -45,7 +47,7 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
             data = dataclasses.replace(data, train_images=fit_all(data.train_images, image_size),
                                        test_images=fit_all(data.test_images, image_size))
         return carve_decoded(data, val_fraction, seed)
-    cache_dir = Path(cache_dir or default_cache_dir())
+    folder = cache_folder(cache_dir)
     if data_dir is not None:
         root, files, _ = detect_format(Path(data_dir).expanduser())
         key = f"dir-{_files_key(root, files())}"
@@ -58,7 +60,7 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
         source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
                                 synthetic_test_size, synthetic_classes, seed)
         return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad)
-    data = _cached(cache_dir / name, build)
+    data = _cached(folder / name, build)
     if not val_fraction and not len(data.test_labels):  # cached by a run that carved its split
         where = data.source.split(" (cached at ")[0]
         raise UserError(f"{where} has no labelled evaluation split; {NO_EVAL_SPLIT}")
@@ -122,13 +124,17 @@ def _saved(path: Path) -> ImageData:
     if path.stem.endswith("-skip") and "skipped" not in saved:
         # its --val-fraction would differ
         raise ValueError("written before the images skipped were recorded")
+    # a cache that an older version wrote of data of one class
+    check_classes(saved["train_labels"], saved["classes"], saved["source"])
     return ImageData(**saved)
 
 
 def _files_key(root: Path, files: list[Path]) -> str:
     """A digest of where the files are and of their names, sizes and modification times."""
-    digest = hashlib.sha256(str(root.resolve()).encode())
+    # os.fsencode: the bytes of the names, also of those that are not UTF-8
+    digest = hashlib.sha256(os.fsencode(root.resolve()))
     for file in sorted(files):
         st = file.stat()
-        digest.update(f"\0{file.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        digest.update(b"\0" + os.fsencode(file.relative_to(root))
+                      + f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]

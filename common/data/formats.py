@@ -10,12 +10,14 @@ Any of:
 """
 
 import re
+import shlex
 from pathlib import Path
 
 import torch
 
 from common.data.arrow import from_hf
 from common.data.cifar import read_cifar_pickles, read_cifar_tar
+from common.data.options import cache_folder
 from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource
 from common.errors import UserError, first_line
 
@@ -27,8 +29,9 @@ DATA_DIR_FORMATS = (
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 
 
-def open_data_dir(data_dir: Path, cache_dir: Path) -> ImageSource:
-    """The splits of the copy in ``data_dir``; parquet is converted to Arrow under ``cache_dir``."""
+def open_data_dir(data_dir: Path, cache_dir: str | None) -> ImageSource:
+    """The splits of the copy in ``data_dir``; parquet is converted to Arrow under ``cache_dir``
+    (--cache-dir; None: the default, common.data.options.cache_folder)."""
     root, files, reader = detect_format(data_dir)
     return reader(cache_dir)
 
@@ -67,8 +70,20 @@ def detect_format(data_dir: Path):
             lambda cache: _read_image_folder(data_dir)
     if not any(data_dir.iterdir()):
         raise UserError(f"--data-dir {data_dir} is empty; put in it {DATA_DIR_FORMATS}")
+    inside = [p for p in data_dir.iterdir() if not p.name.startswith(".")]
+    if len(inside) == 1 and inside[0].is_dir() and _has_data(inside[0]):  # an archive's top folder
+        raise UserError(f"--data-dir {data_dir} holds one folder, {inside[0].name}, with the data "
+                        f"in it: pass --data-dir {inside[0]}")
     raise UserError(f"--data-dir {data_dir} holds no data in a known format; expected "
                     f"{DATA_DIR_FORMATS}")
+
+
+def _has_data(folder: Path) -> bool:
+    try:
+        detect_format(folder)
+        return True
+    except UserError:
+        return False
 
 
 def _all_files(folder: Path) -> list[Path]:
@@ -86,7 +101,7 @@ def _read_saved(folder: Path) -> ImageSource:
     return from_hf(splits, f"save_to_disk folder {folder}")
 
 
-def _read_parquet(root: Path, files: list[Path], cache_dir: Path) -> ImageSource:
+def _read_parquet(root: Path, files: list[Path], cache_dir: str | None) -> ImageSource:
     import datasets
     import pyarrow.parquet
 
@@ -104,9 +119,9 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: Path) -> ImageSource
             raise UserError(f"cannot read parquet file {file} ({first_line(e)}); download it "
                             f"again") from None
     # load_dataset converts parquet to memory-mapped Arrow files, kept in our cache for the workers.
+    arrow = cache_folder(cache_dir) / "arrow"
     try:
-        splits = datasets.load_dataset("parquet", data_files=by_split,
-                                       cache_dir=str(cache_dir / "arrow"))
+        splits = datasets.load_dataset("parquet", data_files=by_split, cache_dir=str(arrow))
     except Exception as e:
         raise UserError(f"cannot read the parquet files under {root} ({first_line(e)}); "
                         f"download them again") from None
@@ -148,6 +163,8 @@ def _read_image_folder(root: Path) -> ImageSource:
     if not classes:
         raise UserError(f"image folder {root / 'train'} has no class folders; put each class's "
                         f"images in train/<class>/")
+    if len(classes) == 1:
+        _refuse_one_class(root, classes[0], evaluated)
     eval_classes = class_folders(evaluated) if evaluated else classes
     if classes != eval_classes:
         only_train = sorted(set(classes) - set(eval_classes))
@@ -172,3 +189,24 @@ def _read_image_folder(root: Path) -> ImageSource:
                                                   f"validation/ folder of class folders)")
     return ImageSource(*out, classes=classes,
                        source=f"image folder {root}; evaluated on {evaluated}")
+
+
+def _refuse_one_class(root: Path, only: str, evaluated: str | None) -> None:
+    """One class folder is no classification problem (splits.checked refuses it for every
+    source); here it is said what the folder holds instead, and what to give."""
+    folder = root / "train" / only
+    inner = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if "train" in inner:  # a whole dataset one level down: give that folder
+        raise UserError(f"image folder {root} has one class folder, train/{only}/, which holds a "
+                        f"dataset of its own (train/{only}/train/); pass --data-dir {folder}")
+    if inner:  # train/images/<class>/...: the classes are one level too deep
+        # shell words, quoted where the names need it (spaces), the * left to the shell
+        move = (f"mv {shlex.quote(str(folder))}/* {shlex.quote(str(root / 'train'))}/ && "
+                f"rmdir {shlex.quote(str(folder))}")
+        also = f" (and the same in {evaluated}/)" if evaluated else ""
+        raise UserError(f"image folder {root} has one class, {only}, whose subfolders "
+                        f"({', '.join(inner[:5])}{', ...' * (len(inner) > 5)}) look like the "
+                        f"classes, one level too deep: move them up into train/, e.g. "
+                        f"{move}{also}")
+    raise UserError(f"image folder {root} has one class folder, train/{only}/: a classifier needs "
+                    f"2 or more classes; put each class's images in its own train/<class>/")

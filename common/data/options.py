@@ -1,10 +1,15 @@
 """DataOptions: the values the input path is given, the data flags' and a few training flags'.
 
 common.cli.data_options(args) makes one from the parsed flags. Nothing in common/ reads the
-argparse namespace itself, so what the input path depends on is this one record.
+argparse namespace itself, so what the input path depends on is this one record. The cache
+folder, --cache-dir or its default, is found and made here too: cache_folder(options.cache_dir).
 """
 
 import dataclasses
+import os
+from pathlib import Path
+
+from common.errors import UserError, first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,3 +33,34 @@ class DataOptions:
     grad_accum: int = 1  # micro-batches per optimizer step
     augment: bool = False  # random crops and flips of the training batches
     channels_last: bool = False  # NHWC batches, for a channels_last model
+
+
+def default_cache_dir() -> str:
+    """Where decoded tensors and Arrow files are cached: $CIFAR_CACHE_DIR if set, else
+    $XDG_CACHE_HOME/multigpu-cifar, else ~/.cache/multigpu-cifar."""
+    if os.environ.get("CIFAR_CACHE_DIR"):
+        return os.environ["CIFAR_CACHE_DIR"]
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "multigpu-cifar")
+
+
+def cache_folder(cache_dir: str | None) -> Path:
+    """The cache folder (``cache_dir``, else default_cache_dir()), made if missing, when something
+    is about to be cached. A home folder that cannot be written in (read-only on many clusters)
+    is one line naming the flag and the variable that move it, not a traceback at the first
+    file."""
+    folder = Path(cache_dir or default_cache_dir()).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):  # root too: a read-only file system's EROFS
+            raise PermissionError(f"no write permission in {folder}")
+    except OSError as e:
+        if cache_dir:
+            where = f"--cache-dir {cache_dir}"
+        elif os.environ.get("CIFAR_CACHE_DIR"):
+            where = f"the cache folder {folder} (CIFAR_CACHE_DIR)"
+        else:
+            where = f"the default cache folder {folder}"
+        raise UserError(f"{where} cannot be written in ({first_line(e)}); pass --cache-dir DIR or "
+                        f"set CIFAR_CACHE_DIR to a folder you can write in") from None
+    return folder

@@ -9,7 +9,6 @@ tensor. The evaluation split is ``test`` when it has labels, else ``validation``
 valid); with ``val_fraction`` it is carved from train instead, seeded and stratified by class.
 """
 
-import os
 import re
 from pathlib import Path
 
@@ -49,8 +48,7 @@ def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic
         return ImageSource(TensorSplit(data.train_images, data.train_labels, "synthetic train"),
                            TensorSplit(data.test_images, data.test_labels, "synthetic test"),
                            data.classes, data.source)
-    cache_dir = Path(cache_dir or default_cache_dir())
-    if data_dir is not None:
+    if data_dir is not None:  # the cache folder only for parquet, made then (cache_folder)
         return open_data_dir(Path(data_dir).expanduser(), cache_dir)
     return download(dataset)
 
@@ -61,11 +59,3 @@ def check_dataset_name(dataset: str) -> None:
                         f"Hugging Face Hub dataset id (owner/name); pass one of those, or "
                         f"--data-dir DIR for a local copy")
 
-
-def default_cache_dir() -> str:
-    """Where decoded tensors and Arrow files are cached: $CIFAR_CACHE_DIR if set, else
-    $XDG_CACHE_HOME/multigpu-cifar, else ~/.cache/multigpu-cifar."""
-    if os.environ.get("CIFAR_CACHE_DIR"):
-        return os.environ["CIFAR_CACHE_DIR"]
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "multigpu-cifar")

@@ -88,8 +88,9 @@ class ImageSource:
 
 
 def checked(source: ImageSource, carving: bool = False) -> ImageSource:
-    """Refuse a missing or empty split, or a label that names no class. ``carving``: the evaluation
-    split is to be carved from train, and the source need not have one."""
+    """Refuse a missing or empty split, a label that names no class, or a training split of fewer
+    than two classes; class names and the source line made ``readable``. ``carving``: the
+    evaluation split is to be carved from train, and the source need not have one."""
     if source.test is None and not carving:
         raise UserError(f"{source.source} has no labelled evaluation split; {NO_EVAL_SPLIT}")
     for split_name, split in (("train", source.train), ("test", source.test)):
@@ -105,4 +106,35 @@ def checked(source: ImageSource, carving: bool = False) -> ImageSource:
             raise UserError(f"{source.source} has {split_name} label {bad[0].item()} but "
                             f"{len(source.classes)} class names ({names}...); "
                             f"make every label a class index")
-    return source
+    check_classes(source.train.labels, source.classes, source.source)
+    return dataclasses.replace(source, classes=[readable(str(name)) for name in source.classes],
+                               source=readable(source.source))
+
+
+def check_classes(train_labels: torch.Tensor, classes: list[str], source: str) -> None:
+    """A classifier needs two classes or more among its training labels: with one, every answer
+    is right and a run trains to test_acc 1.0 (a folder of one class, labels all alike)."""
+    found = train_labels.unique()
+    if len(classes) >= 2 and len(found) >= 2:
+        return
+    if len(classes) < 2:
+        what = f"{len(classes)} class{'es' * (len(classes) != 1)}"
+        what += f" ({readable(str(classes[0]))})" if classes else ""
+    else:
+        label = found[0].item()
+        what = (f"training labels all {label} ({readable(str(classes[label]))}, one of "
+                f"{len(classes)} class names)")
+    where = readable(source.split("; evaluated on")[0])
+    raise UserError(f"{where} has {what}: a classifier needs 2 or more classes; "
+                    f"give it images of two or more classes")
+
+
+def readable(text: str) -> str:
+    """``text`` with the bytes of a file name that is not UTF-8 (which os.fsdecode keeps as lone
+    surrogates) written as \\xNN: valid Unicode, which JSON, safetensors metadata and a UTF-8
+    terminal all take, where the surrogates raise UnicodeEncodeError."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no file name gave
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")

@@ -1,5 +1,7 @@
 """Synthetic data (--dataset synthetic): CIFAR-shaped images made on the spot, no download."""
 
+import os
+
 import torch
 
 from common.data.splits import ImageData
@@ -60,3 +62,18 @@ def _synthetic_split(patterns, size, gen, chunk=8192):
         x = noise.addcmul_(shifted, contrast).add_(brightness)
         images[start:start + n] = x.mul_(40).add_(128).round_().clamp_(0, 255).to(torch.uint8)
     return images, labels
+
+
+def check_synthetic_size(train_size: int, test_size: int, image_size: int | None) -> None:
+    """Refuse sizes whose images cannot fit in this machine's memory, with the figure: made at
+    32x32 (3 KB an image), then resized to ``image_size``, all held at once, so a typo (10**12)
+    is one line, not an allocation traceback."""
+    pixels = 32 * 32 + (image_size**2 if image_size not in (None, 32) else 0)
+    need = (train_size + test_size) * 3 * pixels
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        size = image_size or 32
+        raise UserError(f"--synthetic-train-size {train_size} and --synthetic-test-size "
+                        f"{test_size}: {train_size + test_size} synthetic images of "
+                        f"{size}x{size} take {need / 1e9:.4g} GB, more than this machine's "
+                        f"{memory / 1e9:.0f} GB of memory; make fewer (CIFAR-10 has 60000)")

@@ -1,0 +1,346 @@
+"""Real faults around a run's record: damaged checkpoint bytes, a full disk, a finished run resumed
+from an older step, checkpoints deleted, weights that are not finite.
+
+The faults are real: bytes changed in files a real run wrote, a tmpfs that fills (mounted here,
+so these tests need root, as CI has; skipped otherwise), a pickle of objects. One run of
+train_single.py (2 epochs of 4 steps, a checkpoint every 2 steps) is the reference: resume is bit
+for bit, so a run that falls back to an older checkpoint must end with exactly its weights.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, run, weights
+from safetensors.torch import load_file, save_file
+
+from common.checkpoints import checkpoint_problem, save_checkpoint
+from common.errors import UserError
+from common.run_lock import RunLock
+from common.run_record import unwritten_metrics, write_config, write_metrics
+
+BIN = Path(sys.executable).parent
+DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
+FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "2", "--report-to", "none",
+         "--checkpoint-every", "2", "--keep-checkpoints", "5"]
+DDP = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
+       "--num_processes", "2")
+
+
+def step(n: int) -> str:
+    return f"step_{n:08d}"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The reference run: checkpoints at steps 2, 4, 6, 8 and its final weights."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    run("train_single.py", *FLAGS, "--output-dir", out, cwd=out.parent)
+    return out
+
+
+@pytest.fixture
+def copy(base, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    return out
+
+
+def digest(folder: Path) -> dict:
+    return {str(p): zlib.crc32(p.read_bytes()) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def garble(path: Path, n: int = 64):
+    """n bytes in the middle of a file inverted: the size stays, the structure mostly too."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + n] = bytes(b ^ 0xFF for b in data[middle:middle + n])
+    path.write_bytes(bytes(data))
+
+
+def diagnostics(stderr: str) -> list[str]:
+    """The warning, error and traceback lines of stderr, after any progress bar on their line."""
+    found = (re.match(r"(?:.*?\])?\s*((?:warning|error): .*|Traceback .*)$", line.strip())
+             for line in re.split(r"[\r\n]", stderr))
+    return [m.group(1) for m in found if m]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@contextmanager
+def tmpfs(path: Path, size: str):
+    """A real filesystem of ``size`` at ``path``: it fills as a disk does."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def grow(path: Path, size: str):
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
+
+
+def worker_lines(stderr: str) -> str:
+    """What the training processes said, before torchrun's own report of a failed worker."""
+    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", stderr, maxsplit=1)[0]
+
+
+# ------------------------------------------------------------------------------ damaged bytes
+
+@pytest.mark.parametrize("name", ["optimizer.bin", "model.safetensors", "scheduler.bin"])
+def test_damaged_bytes_are_skipped_for_the_older_checkpoint(base, copy, name):
+    """64 bytes changed, the size kept: the digest catches it; the run resumes from the checkpoint
+    before it and ends with the weights of the uninterrupted run."""
+    newest = copy / "checkpoints" / step(8)
+    manifest = json.loads((newest / "checkpoint.json").read_text())
+    garble(newest / name)
+    found = f"{zlib.crc32((newest / name).read_bytes()):08x}"
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
+    assert diagnostics(done.stderr) == [
+        f"warning: damaged checkpoint skipped ({step(8)}: {name} is damaged (crc32 {found} where "
+        f"{manifest['crc32'][name]} was written)): resuming from {copy}/checkpoints/{step(6)}, the newest "
+        f"complete one"]
+    assert f"resumed from {copy}/checkpoints/{step(6)} at epoch 2, step 6" in done.stdout
+    assert same_weights(weights(copy), weights(base))
+    assert checkpoint_problem(newest) is None  # written again, whole
+
+
+def test_a_checkpoint_without_digests_that_does_not_load_falls_back(base, copy):
+    """A checkpoint of an earlier version (sizes only) with a garbled scheduler.bin passes the
+    checks and fails to load: the older one is loaded over whatever the failed load changed."""
+    newest = copy / "checkpoints" / step(8)
+    manifest = json.loads((newest / "checkpoint.json").read_text())
+    del manifest["crc32"]
+    (newest / "checkpoint.json").write_text(json.dumps(manifest))
+    garble(newest / "scheduler.bin")
+    assert checkpoint_problem(newest) is None
+    (copy / "model.safetensors").unlink()
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
+    [line] = diagnostics(done.stderr)
+    assert line.startswith(f"warning: damaged checkpoint skipped ({step(8)}: scheduler.bin does not load (")
+    assert line.endswith(f"): resuming from {copy}/checkpoints/{step(6)}, the newest complete one before it")
+    assert "written by another script" not in done.stderr
+    assert same_weights(weights(copy), weights(base))
+
+
+def test_a_manifest_listing_nothing_is_damaged(copy):
+    from common.run_folder import lock_run_and_find_resume
+
+    class MainProcess:
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            pass
+
+    newest = copy / "checkpoints" / step(8)
+    (newest / "checkpoint.json").write_text('{"step": 8, "files": {}}')
+    assert checkpoint_problem(newest) == "checkpoint.json does not list custom_checkpoint_0.pkl"
+    try:
+        with pytest.raises(UserError) as error:
+            lock_run_and_find_resume(MainProcess(), str(copy), str(newest), "train_single.py")
+        assert error.value.message == (f"--resume {newest}: the checkpoint is damaged (checkpoint.json does not "
+                                       f"list custom_checkpoint_0.pkl); pass a complete one, or --resume alone "
+                                       f"for the newest complete checkpoint of --output-dir")
+    finally:
+        RunLock._release_all()
+
+
+# ------------------------------------------------------------------------------ a run's record
+
+def test_an_older_step_of_a_finished_run_is_refused_and_continues_elsewhere(base, copy, tmp_path):
+    older = copy / "checkpoints" / step(4)
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--resume", older, check=False, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: --resume {older}: the run in {copy} has finished (model.safetensors; metrics.jsonl records 2 "
+        f"epochs to step 8); continuing it from {step(4)} in place would replace its record: add --output-dir "
+        f"NEW to continue from {step(4)} in a new folder"]
+    assert digest(copy) == before
+    # the choice it gives: the same run continued in a new folder, bit for bit
+    done = run("train_single.py", *FLAGS, "--resume", older, "--output-dir", tmp_path / "new", cwd=tmp_path)
+    assert same_weights(weights(tmp_path / "new"), weights(base)) and digest(copy) == before
+
+
+def test_an_older_step_of_a_run_that_went_on_is_refused(copy, tmp_path):
+    (copy / "model.safetensors").unlink()  # stopped after step 8, say
+    older = copy / "checkpoints" / step(4)
+    done = run("train_single.py", *FLAGS, "--resume", older, check=False, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: --resume {older}: the run in {copy} went on to {step(8)}; continuing it from {step(4)} in place "
+        f"would replace its record: add --output-dir NEW to continue from {step(4)} in a new folder, or --resume "
+        f"alone to continue from its newest checkpoint"]
+
+
+def test_resume_after_the_checkpoints_were_deleted_says_so_and_changes_nothing(copy, tmp_path):
+    shutil.rmtree(copy / "checkpoints")
+    (copy / "model.safetensors").unlink()
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: --resume: the run in {copy} wrote checkpoints but none is left in {copy}/checkpoints "
+        f"(metrics.jsonl records 2 epochs to step 8): put them back, or start a new run in another --output-dir; "
+        f"nothing of the run was changed"]
+    assert digest(copy) == before and "stopped before its first" not in done.stderr
+
+
+# ------------------------------------------------------------------------------ weights not finite
+
+def poison(path: Path) -> str:
+    """An infinity in a BatchNorm buffer, as the damaged bytes of issue 24 left; the name."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    state = load_file(str(path))
+    name = next(k for k in state if k.endswith("running_var"))
+    state[name][0] = float("inf")
+    save_file(state, str(path), metadata=header.get("__metadata__"))
+    return name
+
+
+def test_weights_that_are_not_finite_are_not_written(copy):
+    """A checkpoint that holds an inf (digests rewritten: it was trained in, not damaged since)."""
+    newest = copy / "checkpoints" / step(8)
+    name = poison(newest / "model.safetensors")
+    manifest = json.loads((newest / "checkpoint.json").read_text())
+    manifest["files"]["model.safetensors"] = (newest / "model.safetensors").stat().st_size
+    manifest["crc32"]["model.safetensors"] = f"{zlib.crc32((newest / 'model.safetensors').read_bytes()):08x}"
+    (newest / "checkpoint.json").write_text(json.dumps(manifest))
+    (copy / "model.safetensors").unlink()
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=copy.parent)
+    assert done.returncode == 1 and diagnostics(done.stderr) == [
+        f"error: the final weights are not finite ({name}: 1 of 16 values NaN or infinite) at step 8: "
+        f"{copy}/model.safetensors was not written, and the run's checkpoints in {copy}/checkpoints are intact; "
+        f"resume from an earlier one into a new --output-dir (--resume CHECKPOINT --output-dir NEW), or start "
+        f"again"]
+    assert digest(copy) == before
+
+
+def evaluate(weights_file, *extra):
+    return run("evaluate.py", "--weights", weights_file, *DATA, *extra, check=False, cwd=Path(weights_file).parent)
+
+
+def test_evaluate_refuses_weights_that_are_not_finite(copy):
+    name = poison(copy / "model.safetensors")
+    done = evaluate(copy / "model.safetensors")
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: --weights {copy}/model.safetensors: the weights are not finite ({name}: 1 of 16 values NaN or "
+        f"infinite): not evaluated; use weights of a run that stayed finite"]
+    assert "test_acc" not in done.stdout
+
+
+def test_evaluate_on_a_pickle_of_objects_is_one_plain_line(tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"model": torch.nn.Linear(2, 2)}, path)  # a module, not a state dict
+    done = evaluate(path, "--model", "resnet20")
+    assert done.returncode == 1 and "\x1b[" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: --weights {path}: cannot read it (it holds pickled objects, not only tensors: "
+                           f"Unsupported global: GLOBAL torch.nn.modules.linear.Linear")
+    assert line.endswith("save model.state_dict() instead); pass a .safetensors file or a torch.save'd state dict")
+
+
+# ------------------------------------------------------------------------------ a full disk
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_previous_and_resume_finishes(base, tmp_path):
+    """3 MB hold the first checkpoint of resnet20 (2.2 MB) but not the second."""
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        out = disk / "run"
+        done = run("train_single.py", *FLAGS, "--output-dir", out, check=False, cwd=tmp_path)
+        assert done.returncode == 1 and diagnostics(done.stderr) == [
+            f"error: cannot write checkpoint {out}/checkpoints/{step(4)} (no space left on the device); "
+            f"the checkpoint {out}/checkpoints/{step(2)} is intact: free space in {out}, then run the same command "
+            f"with --output-dir {out} --resume"], done.stderr
+        assert [p.name for p in (out / "checkpoints").iterdir()] == [step(2)]
+        assert checkpoint_problem(out / "checkpoints" / step(2)) is None
+        assert (out / "metrics.jsonl").read_text().count("\n") == 1  # epoch 1, as recorded
+        grow(disk, "64m")
+        done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
+        assert f"resumed from {out}/checkpoints/{step(2)}" in done.stdout
+        assert same_weights(weights(out), weights(base))
+
+
+def test_a_full_disk_for_the_final_weights(base, tmp_path):
+    """The run has trained to its end: its last checkpoint finishes it once there is space."""
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        out = disk / "run"
+        out.mkdir()
+        for name in ("config.json", "metrics.jsonl", ".checkpoints-written"):
+            shutil.copy(base / name, out / name)
+        shutil.copytree(base / "checkpoints" / step(8), out / "checkpoints" / step(8))
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - (200 << 10)))
+        done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", check=False, cwd=tmp_path)
+        [line] = diagnostics(done.stderr)
+        assert done.returncode == 1 and line.startswith(f"error: cannot write {out}/model.safetensors (")
+        assert line.endswith(f"); the checkpoint {out}/checkpoints/{step(8)} is intact: free space in {out}, then "
+                             f"run the same command with --output-dir {out} --resume to write the weights")
+        assert sorted(p.name for p in out.iterdir()) == [".checkpoints-written", "checkpoints", "config.json",
+                                                         "metrics.jsonl"]
+        filler.unlink()
+        run("train_single.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
+        assert same_weights(weights(out), weights(base))
+
+
+def test_a_full_disk_under_ddp_is_one_line_and_no_hang(tmp_path):
+    """Every process writes a checkpoint (save_state); one line in all, every process stops."""
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        out = disk / "run"
+        done = run("train_ddp.py", *FLAGS, "--output-dir", out, launcher=DDP, check=False, cwd=tmp_path,
+                   timeout=240)
+        workers = worker_lines(done.stderr)
+        assert done.returncode != 0 and diagnostics(workers) == [
+            f"error: cannot write checkpoint {out}/checkpoints/{step(4)} (no space left on the device); "
+            f"the checkpoint {out}/checkpoints/{step(2)} is intact: free space in {out}, then run the same command "
+            f"with --output-dir {out} --resume"], done.stderr
+        assert done.stderr.count("error: ") == 1
+        assert checkpoint_problem(out / "checkpoints" / step(2)) is None
+        grow(disk, "64m")
+        done = run("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", launcher=DDP, cwd=tmp_path,
+                   timeout=240)
+        assert f"resumed from {out}/checkpoints/{step(2)}" in done.stdout and (out / "model.safetensors").is_file()
+
+
+class OneProcess:
+    is_main_process, num_processes = True, 1
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_a_full_disk_for_config_and_metrics(tmp_path):
+    """The small writes (OSError 28): one line each; metrics.jsonl keeps the previous record and its
+    failure stops the run at the next checkpoint, before anything else is written."""
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        write_metrics(disk, [{"epoch": 1, "step": 4}])
+        (disk / "filler").write_bytes(b"\0" * shutil.disk_usage(disk).free)
+        with pytest.raises(UserError) as error:
+            write_config(OneProcess(), disk, {"args": {"x": "y" * 20000}})
+        assert error.value.message == (f"cannot write {disk}/config.json (No space left on device): free space in "
+                                       f"{disk}, then run the same command again")
+        write_metrics(disk, [{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8, "x": "y" * 20000}])
+        assert json.loads((disk / "metrics.jsonl").read_text()) == {"epoch": 1, "step": 4}
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]
+        with pytest.raises(UserError) as error:
+            save_checkpoint(OneProcess(), disk, 8, keep=2)
+        assert error.value.message == (f"cannot write {disk}/metrics.jsonl (No space left on device) after epoch 2; "
+                                       f"no checkpoint of this run is written yet: free space in {disk}, then run "
+                                       f"the same command with --output-dir {disk} --resume to start it again from "
+                                       f"step 0")
+        assert unwritten_metrics() is None
