@@ -5,6 +5,7 @@ import math
 import os
 from pathlib import Path
 
+import torch
 import torchvision
 
 from common.data.options import DataOptions
@@ -28,6 +29,7 @@ MAX_SEED = 2**32 - 1
 # closure" while rank 0 starts wandb), 2 s passes on an idle machine; 10 s leaves room for a
 # loaded one. An online tracker or a large model's checkpoint on a slow disk needs more (600).
 MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmetic (--lr, ...)
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
@@ -272,17 +274,22 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise UserError(f"--seed {args.seed}: must be from 0 to {MAX_SEED} "
                         f"(numpy's seeds are 32-bit)")
-    # Written so that NaN fails each test (every comparison with NaN is False).
-    if not 0 < args.lr < math.inf:
-        raise UserError(f"--lr {args.lr}: must be a positive number")
+    # Written so that NaN fails each test (every comparison with NaN is False). The optimizer
+    # computes in float32: a larger lr or weight decay (the peak lr, after --scale-lr) stops its
+    # first step with "value cannot be converted to type float without overflow".
+    scale = args.batch_size / args.reference_batch_size if args.scale_lr else 1
+    if not 0 < args.lr * max(scale, 1) <= FLOAT32_MAX:
+        raise UserError(f"--lr {args.lr}: must be a positive number, at most {FLOAT32_MAX:.3g} "
+                        f"(float32's largest) once scaled by --scale-lr")
     if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
         raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number")
     # torch's SGD refuses Nesterov without momentum; 1 or more diverges
     if not 0 < args.momentum < 1:
         raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and "
                         f"below 1, e.g. 0.9")
-    if not 0 <= args.weight_decay < math.inf:
-        raise UserError(f"--weight-decay {args.weight_decay}: must be a number, 0 (none) or more")
+    if not 0 <= args.weight_decay <= FLOAT32_MAX:
+        raise UserError(f"--weight-decay {args.weight_decay}: must be a number, 0 (none) or more, "
+                        f"at most {FLOAT32_MAX:.3g} (float32's largest)")
     if not 0 <= args.label_smoothing < 1:  # 1 would train towards uniform targets
         raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more "
                         f"and below 1")

@@ -205,8 +205,8 @@ class SkippedSteps:
         # Checkpoints written while every step was skipped may follow it: continuing from it in
         # place would fork the run's record, so the advice continues it in a new folder.
         then = (f"the newest checkpoint before them is {checkpoint}: continue from it with a lower "
-                f"--lr or --clip-grad (the same command with --resume {checkpoint} --output-dir NEW "
-                f"and the new flag)" if checkpoint
+                f"--lr or --clip-grad (the same command with --resume {checkpoint} --output-dir "
+                f"NEW and the new flag)" if checkpoint
                 else "there is no checkpoint from before them: start again in a new --output-dir "
                      "with a lower --lr, --clip-grad or --mixed-precision bf16")
         return Stop(False, f"error: fp16 skipped {self.in_a_row} steps in a row "

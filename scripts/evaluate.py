@@ -78,7 +78,7 @@ def main(args):
                         f"{', '.join(classes[:5])}... but the data has "
                         f"{', '.join(data.classes[:5])}...: pass the data flags of the training "
                         f"run")
-    model = build_model(model_name, num_classes=len(data.classes))
+    model = build_model(model_name, len(data.classes), data.image_size)  # refused if it cannot
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as error:

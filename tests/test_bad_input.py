@@ -193,9 +193,11 @@ RANGES = [("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positi
           ("train_amp", ["--seed", "4294967296"],
            "--seed 4294967296: must be from 0 to 4294967295 (numpy's seeds are 32-bit)"),
           ("train_ddp", ["--dist-timeout", "inf"],
-           "--dist-timeout inf: must be a number of seconds from 1 to 1000000000, e.g. 600"),
+           "--dist-timeout inf: must be a number of seconds from 10 to 1000000000, e.g. 600 (below 10 the "
+           "others time out while the main process starts the tracker or writes a checkpoint)"),
           ("train_amp", ["--dist-timeout", "0"],
-           "--dist-timeout 0.0: must be a number of seconds from 1 to 1000000000, e.g. 600"),
+           "--dist-timeout 0.0: must be a number of seconds from 10 to 1000000000, e.g. 600 (below 10 the "
+           "others time out while the main process starts the tracker or writes a checkpoint)"),
           ("train_single", ["--model", "torchvision:resnet51"],
            "unknown torchvision model 'resnet51' in --model 'torchvision:resnet51' (closest: resnet50, resnet18, "
            "resnet152, resnet101, resnet34); NAME is any of torchvision.models.list_models(module=torchvision.models)"),

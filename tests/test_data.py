@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bench.tools import write_cifar_pickles
-from common.data import decode, hub, sources
+from common.data import decode, hub, options, sources
 from common.data.cache import load_image_data
 from common.data.splits import ImageData
 from common.data.synthetic import make_synthetic
@@ -244,12 +244,12 @@ def test_failed_cache_write_leaves_no_file_behind(formats, source, tmp_path, mon
 
 def test_default_cache_dir_follows_the_environment(monkeypatch):
     monkeypatch.setenv("CIFAR_CACHE_DIR", "/data/cache")
-    assert sources.default_cache_dir() == "/data/cache"
+    assert options.default_cache_dir() == "/data/cache"
     monkeypatch.delenv("CIFAR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
-    assert sources.default_cache_dir() == "/xdg/multigpu-cifar"
+    assert options.default_cache_dir() == "/xdg/multigpu-cifar"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert sources.default_cache_dir() == os.path.expanduser("~/.cache/multigpu-cifar")
+    assert options.default_cache_dir() == os.path.expanduser("~/.cache/multigpu-cifar")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,3 +399,36 @@ def _build_through_cache(folder, builds):
 
     data = cache._cached(Path(folder) / "shared.pt", build)
     return int(data.train_images.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Data that is no classification problem, cache folders that cannot be written
+
+def test_parquet_whose_labels_are_all_one_value_is_refused(source, tmp_path):
+    # Plain integer labels, no ClassLabel: the class names are 0 .. the largest label.
+    for split in ("train", "test"):
+        table = datasets.Dataset.from_dict({"img": [{"bytes": png(source.train_images[0]), "path": None}] * 4,
+                                            "label": [2] * 4})
+        table.to_parquet(tmp_path / "data" / f"{split}-00000-of-00001.parquet")
+    message = error_of(data_dir=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"))
+    assert message == (f"parquet files under {tmp_path / 'data'} has training labels all 2 (2, one of 3 "
+                       f"class names): a classifier needs 2 or more classes; give it images of two or more "
+                       f"classes")
+
+
+def test_a_data_dir_one_level_above_the_data_names_the_folder_to_give(formats, tmp_path):
+    outer = tmp_path / "download"
+    shutil.copytree(formats["image_folder"], outer / "flowers")
+    assert error_of(data_dir=str(outer), cache_dir=str(tmp_path / "cache")) == (
+        f"--data-dir {outer} holds one folder, flowers, with the data in it: pass --data-dir {outer / 'flowers'}")
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_line(formats, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CIFAR_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    message = error_of(data_dir=str(formats["image_folder"]))
+    assert message.startswith(f"the cache folder {tmp_path / 'file' / 'cache'} (CIFAR_CACHE_DIR) cannot be "
+                              f"written in (")
+    assert message.endswith("); pass --cache-dir DIR or set CIFAR_CACHE_DIR to a folder you can write in")
+    assert error_of(data_dir=str(formats["image_folder"]), cache_dir=str(tmp_path / "file")).startswith(
+        f"--cache-dir {tmp_path / 'file'} cannot be written in (")

@@ -11,7 +11,8 @@ script: one line and nothing written where it must be refused, a finished run wh
   - --dist-timeout at both ends of its range on a real 2-process job, tracked by wandb and
     checkpointed every step (the main process alone starts the tracker and writes checkpoints:
     1 s ended the job there), and below the range one line;
-  - an absurd --synthetic-train-size: one line with the memory it would take;
+  - an absurd --synthetic-train-size: one line with the memory it would take; an --lr or
+    --weight-decay beyond float32 (the optimizer's arithmetic): one line, not an overflow at step 1;
   - torchvision models: googlenet and inception_v3 (auxiliary heads) train and evaluate; one that
     cannot take the data's size (a ViT at 32 px, inception_v3 below 75 px) is refused before
     config.json is written, with the size it needs.
@@ -141,12 +142,13 @@ def read_only_home(tmp_path):
     source, home = tmp_path / "home source", tmp_path / "home"
     source.mkdir()
     home.mkdir()
-    done = subprocess.run(["mount", "--bind", str(source), str(home)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "--bind", str(source), str(home)], capture_output=True, text=True,
+                          check=False)
     if done.returncode:
         pytest.skip(f"cannot bind-mount: {done.stderr.strip()}")
     try:
         done = subprocess.run(["mount", "-o", "remount,bind,ro", str(home)], capture_output=True,
-                              text=True)
+                              text=True, check=False)
         if done.returncode:
             pytest.skip(f"cannot remount read-only: {done.stderr.strip()}")
         with pytest.raises(OSError):
@@ -248,14 +250,26 @@ def test_models_with_auxiliary_heads_train_and_evaluate(model, size, tmp_path):
 
 
 @pytest.mark.parametrize("model, size, message", [
-    ("vit_b_16", 32, "takes 224x224 images only, not 32x32 (AssertionError: Wrong image height! "
-                     "Expected 224 but got 32!); pass --image-size 224"),
-    ("inception_v3", 74, "needs images of at least 75x75, not 74x74 (RuntimeError: Calculated "
-                         "padded input size per channel: (2 x 2). Kernel size: (3 x 3). ...); "
-                         "pass --image-size 75 or more"),
+    ("vit_b_16", 32, ("takes 224x224 images only, not 32x32 (AssertionError: Wrong image height! "
+                      "Expected 224 but got 32!); pass --image-size 224")),
+    ("inception_v3", 74, ("needs images of at least 75x75, not 74x74 (RuntimeError: Calculated "
+                          "padded input size per channel: (2 x 2). Kernel size: (3 x 3). ...); "
+                          "pass --image-size 75 or more")),
 ], ids=["fixed size", "smallest size"])
 def test_a_model_that_cannot_take_the_size_is_refused_before_anything_is_written(
         model, size, message, tmp_path):
     out, done = train(tmp_path, *SYNTHETIC, *STEP, "--model", f"torchvision:{model}",
                       "--image-size", size)
     assert refused(done, out) == f"error: --model torchvision:{model} {message}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "1e300"], ("--lr 1e+300: must be a positive number, at most 3.4e+38 (float32's "
+                         "largest) once scaled by --scale-lr")),
+    (["--weight-decay", "1e300"], ("--weight-decay 1e+300: must be a number, 0 (none) or more, at "
+                                   "most 3.4e+38 (float32's largest)")),
+], ids=["lr", "weight decay"])
+def test_a_value_the_optimizer_cannot_hold_is_one_line(flags, message, tmp_path):
+    # Before: "RuntimeError: value cannot be converted to type float without overflow" at step 1.
+    out, done = train(tmp_path, *SYNTHETIC, *STEP, *flags)
+    assert refused(done, out) == f"error: {message}"

@@ -1,5 +1,7 @@
 """common/models.py: every name trains, and each model has the shape, size and cost its source gives."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +106,40 @@ def test_state_dict_is_plain_and_reloads(name):
     state = build_model(name, 10).state_dict()
     assert [k for k in state if k.startswith(("module.", "_orig_mod."))] == []
     build_model(name, 10).load_state_dict(state)  # strict: a checkpoint loads into a fresh model
+
+
+@pytest.mark.parametrize("name, size", [("torchvision:googlenet", 32), ("torchvision:inception_v3", 75)])
+def test_models_with_auxiliary_heads_train_on_logits(name, size):
+    model = build_model(name, 10, size).train()
+    logits = model(torch.randn(2, 3, size, size))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 10)
+    F.cross_entropy(logits, torch.tensor([0, 1])).backward()
+    assert all(p.grad is not None for p in model.parameters())  # no head left out of the graph
+
+
+@pytest.mark.parametrize("name, size, message", [
+    ("torchvision:vit_b_16", 32, "takes 224x224 images only, not 32x32"),
+    ("torchvision:vit_b_16", 256, "takes 224x224 images only, not 256x256"),
+    ("torchvision:inception_v3", 32, "needs images of at least 75x75, not 32x32"),
+    ("torchvision:alexnet", 32, "needs images of at least 63x63, not 32x32"),
+    ("torchvision:maxvit_t", 32, "takes images from 221x221 to 224x224 only, not 32x32"),
+])
+def test_a_size_the_model_cannot_take_is_refused_with_the_size_it_needs(name, size, message):
+    with pytest.raises(UserError) as error:
+        build_model(name, 10, size)
+    assert error.value.message.startswith(f"--model {name} {message} (")
+    assert "\n" not in error.value.message
+    fix = re.search(r"pass --image-size (\d+)", error.value.message).group(1)
+    model = build_model(name, 10, int(fix)).eval()  # the advice works
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, int(fix), int(fix))).shape == (1, 10)
+
+
+@pytest.mark.parametrize("name", ["resnet20", "torchvision:mobilenet_v3_small"])
+def test_checking_the_size_changes_neither_the_weights_nor_the_random_numbers(name):
+    torch.manual_seed(0)
+    unchecked, after_unchecked = build_model(name, 10).state_dict(), torch.rand(3)
+    torch.manual_seed(0)
+    checked, after_checked = build_model(name, 10, 32).state_dict(), torch.rand(3)
+    assert all(torch.equal(unchecked[k], checked[k]) for k in unchecked)
+    assert torch.equal(after_unchecked, after_checked)
