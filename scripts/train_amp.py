@@ -71,8 +71,8 @@ def parse_args(argv=None):
     parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
                         help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs only)")
     parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stall fails the job
-                        help="seconds a process waits for the others in a collective: a stalled "
-                             "one ends the job instead of hanging it (default: %(default)s)")
+                        help="seconds (10 or more) a process waits for the others in a collective: "
+                             "a stalled one fails the job, not hangs it (default: %(default)s)")
     parser.add_argument("--mixed-precision", choices=("fp16", "bf16"), default=None,  # AMP: format
                         help="16-bit format (default: the Accelerate config's, else bf16; fp16 on "
                              "pre-Ampere GPUs)")

@@ -163,8 +163,10 @@ RANGES = [("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positi
           ("train_ddp", ["--grad-accum", "0"], "--grad-accum 0: must be 1 or more"),
           ("train_single", ["--batch-size", "64", "--grad-accum", "3"],
            "--batch-size 64 does not divide into --grad-accum 3 micro-batches: use 63 or 66"),
-          ("train_single", ["--lr", "-0.1"], "--lr -0.1: must be a positive number"),
-          ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"),
+          ("train_single", ["--lr", "-0.1"], "--lr -0.1: must be a positive number"
+           ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
+          ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"
+           ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
           ("train_dp", ["--reference-batch-size", "0"], "--reference-batch-size 0: must be 1 or more"),
           ("train_single", ["--checkpoint-every", "0"], "--checkpoint-every 0: must be 1 or more"),
           ("evaluate", ["--weights", "w.safetensors", "--eval-batch-size", "0"],
@@ -173,8 +175,10 @@ RANGES = [("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positi
            "--momentum 0.0: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
           ("train_dp", ["--momentum", "nan"],
            "--momentum nan: must be above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
-          ("train_ddp", ["--weight-decay", "-1"], "--weight-decay -1.0: must be a number, 0 (none) or more"),
-          ("train_single", ["--weight-decay", "inf"], "--weight-decay inf: must be a number, 0 (none) or more"),
+          ("train_ddp", ["--weight-decay", "-1"], "--weight-decay -1.0: must be a number, 0 (none) or more"
+           ", at most 3.4e+38 (float32's largest)"),
+          ("train_single", ["--weight-decay", "inf"], "--weight-decay inf: must be a number, 0 (none) or more"
+           ", at most 3.4e+38 (float32's largest)"),
           ("train_amp", ["--label-smoothing", "1"], "--label-smoothing 1.0: must be 0 (none) or more and below 1"),
           ("train_single", ["--warmup-epochs", "nan"],
            "--warmup-epochs nan: must be a number of epochs from 0 to --epochs 15"),

@@ -82,7 +82,8 @@ def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher):
 
     # One writer: one run record, one wandb run, one checkpoint holding both processes' RNG states,
     # no leftovers.
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl",
+    assert sorted(p.name for p in out.iterdir()) == [".checkpoints-written", "checkpoints", "config.json",
+                                                     "metrics.jsonl",
                                                      "model.safetensors", "wandb"]
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     (checkpoint,) = (out / "checkpoints").iterdir()

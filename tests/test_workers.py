@@ -123,15 +123,17 @@ def test_resume_through_workers_equals_uninterrupted_bitwise(tmp_path):
     run("train_single.py", *RESUME, "--output-dir", out, "--max-steps", 3, "--checkpoint-every", 2, cwd=tmp_path)
     checkpoint = out / "checkpoints" / "step_00000002"
     assert checkpoint.is_dir()
-    resumed = run("train_single.py", *RESUME, "--output-dir", out, "--checkpoint-every", 2, "--resume", checkpoint,
-                  cwd=tmp_path)
+    # Continued into a folder of its own: in place it would replace the stopped run's record.
+    elsewhere = tmp_path / "resumed"
+    resumed = run("train_single.py", *RESUME, "--output-dir", elsewhere, "--checkpoint-every", 2, "--resume",
+                  checkpoint, cwd=tmp_path)
     assert "at epoch 1, step 2" in resumed.stdout, resumed.stdout
 
-    ours, theirs = weights(out), weights(reference)
+    ours, theirs = weights(elsewhere), weights(reference)
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
-    assert last_metrics(out)["test_acc"] == last_metrics(reference)["test_acc"]
+    assert last_metrics(elsewhere)["test_acc"] == last_metrics(reference)["test_acc"]
 
 
 # ------------------------------------------------------------------------------------ memory
