@@ -13,6 +13,7 @@ import os
 import torch
 
 from common.errors import UserError, first_line
+from common.launch import check_batch_split
 from common.tracking import GB
 
 
@@ -25,6 +26,17 @@ def data_parallel_devices(device: torch.device) -> list[torch.device]:
     if device.type != "cuda":
         return []
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def checked_gpus(device: torch.device, batch_size: int, grad_accum: int) -> list[torch.device]:
+    """data_parallel_devices, with what DataParallel needs of them checked: the global batch cuts
+    into equal slices, one per GPU and micro-batch, and copies between every two GPUs arrive
+    intact (check_peer_copies). Empty on a CPU."""
+    devices = data_parallel_devices(device)
+    if len(devices) > 1:
+        check_batch_split(batch_size, len(devices), "visible GPUs", grad_accum)
+        check_peer_copies(devices)
+    return devices
 
 
 # seconds one step of the check may take, CUDA's start on a GPU it is first to use included

@@ -52,6 +52,10 @@ class Inputs:
     eval_split: dict | None = None
 
     @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
     def config(self) -> dict:
         """What config.json records about the data (and model.safetensors, of it, for
         evaluation)."""

@@ -77,7 +77,9 @@ def parse_args(argv=None):
     return args
 
 
-def build_accelerator(args) -> Accelerator:
+def set_up(args) -> Accelerator:
+    """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     check_gpus_per_node()  # DDP: one process per GPU, never more
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
@@ -95,16 +97,15 @@ def build_accelerator(args) -> Accelerator:
     check_launch(accelerator, args.batch_size, args.grad_accum)  # DDP: every process, equal slices
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
         raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop it")
+    set_seed(args.seed)  # the same on every process: the same initial weights
     return accelerator
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
-    accelerator = build_accelerator(args)
+    accelerator = set_up(args)
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
     per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: slice
-    set_seed(args.seed)
     # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
     output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
                                                       __file__)
@@ -113,10 +114,9 @@ def main(args):
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
     data = load_inputs(data_options(args), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
-    num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes, data.image_size)  # refused if it cannot take it
+    model = build_model(args.model, data.num_classes, data.image_size)  # refused if it cannot
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
@@ -202,7 +202,7 @@ def main(args):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
                 # DDP: the loss averaged over processes; the time, img/s, the data wait
                 figures = meter.figures(accelerator.reduce(meter.loss_sum, "mean"))
-                result = evaluate(model, test_loader, transform, accelerator, num_classes)
+                result = evaluate(model, test_loader, transform, accelerator, data.num_classes)
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                     "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,

@@ -52,11 +52,11 @@ from tqdm.auto import tqdm
 
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
-from common.data_parallel import check_peer_copies, data_parallel_devices, memory_report
+from common.data_parallel import checked_gpus, memory_report
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_inputs
-from common.launch import check_batch_split, require_single_process
+from common.launch import require_single_process
 from common.models import build_model
 from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
@@ -99,7 +99,9 @@ class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU, run
         return outputs if labels is None else self.criterion(outputs, labels).unsqueeze(0)
 
 
-def build_accelerator(args) -> Accelerator:
+def set_up(args) -> Accelerator:
+    """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     require_single_process(__file__)
     if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
         raise UserError(f"--compile {args.compile}: not offered with DataParallel: use "
@@ -114,20 +116,17 @@ def build_accelerator(args) -> Accelerator:
             use_seedable_sampler=True, data_seed=args.seed,
             non_blocking=True),
     )
+    set_seed(args.seed)  # the same on every process: the same initial weights
     return accelerator
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
-    accelerator = build_accelerator(args)
+    accelerator = set_up(args)
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
-    devices = data_parallel_devices(accelerator.device)  # DP: every GPU CUDA_VISIBLE_DEVICES shows
-    if len(devices) > 1:  # DP: equal slices, and copies between GPUs that arrive intact
-        check_batch_split(args.batch_size, len(devices), "visible GPUs", args.grad_accum)
-        check_peer_copies(devices)
+    # DP: every GPU CUDA_VISIBLE_DEVICES shows, in equal slices, their copies arriving intact
+    devices = checked_gpus(accelerator.device, args.batch_size, args.grad_accum)
     per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: each GPU's
-    set_seed(args.seed)
     # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
     output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
                                                       __file__)
@@ -136,10 +135,9 @@ def main(args):
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
     data = load_inputs(data_options(args), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
-    num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes, data.image_size)  # refused if it cannot take it
+    model = build_model(args.model, data.num_classes, data.image_size)  # refused if it cannot
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
@@ -227,7 +225,8 @@ def main(args):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
                 figures = meter.figures(meter.loss_sum)  # the loss, the time, img/s, the data wait
                 # DP: evaluated on all the GPUs
-                result = evaluate(parallel_model, test_loader, transform, accelerator, num_classes)
+                result = evaluate(parallel_model, test_loader, transform, accelerator,
+                                  data.num_classes)
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                     "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,

@@ -65,7 +65,9 @@ def parse_args(argv=None):
     return args
 
 
-def build_accelerator(args) -> Accelerator:
+def set_up(args) -> Accelerator:
+    """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     require_single_process(__file__)
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
@@ -77,16 +79,15 @@ def build_accelerator(args) -> Accelerator:
             use_seedable_sampler=True, data_seed=args.seed,
             non_blocking=True),
     )
+    set_seed(args.seed)  # the same on every process: the same initial weights
     return accelerator
 
 
 def main(args):
     # ----------------------------------------------------------------------------------- setup
-    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
-    accelerator = build_accelerator(args)
+    accelerator = set_up(args)
     fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
     per_device_batch = args.batch_size // args.grad_accum  # one device takes each whole micro-batch
-    set_seed(args.seed)
     # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
     output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
                                                       __file__)
@@ -95,10 +96,9 @@ def main(args):
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
     data = load_inputs(data_options(args), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
-    num_classes = len(data.classes)
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, num_classes, data.image_size)  # refused if it cannot take it
+    model = build_model(args.model, data.num_classes, data.image_size)  # refused if it cannot
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
@@ -180,7 +180,7 @@ def main(args):
             if epoch_end and (stop is None or stop.saves):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
                 figures = meter.figures(meter.loss_sum)  # the loss, the time, img/s, the data wait
-                result = evaluate(model, test_loader, transform, accelerator, num_classes)
+                result = evaluate(model, test_loader, transform, accelerator, data.num_classes)
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                     "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,
