@@ -11,7 +11,8 @@ The other scripts are this file plus only what their strategy needs; read them a
 - evaluation on the test split, one log line and one metrics.jsonl record per epoch;
 - gradient accumulation (--grad-accum N) through accelerator.accumulate: N micro-batches per step;
 - full training state saved every epoch with save_state, and --resume that continues bit for bit;
-- SIGTERM or SIGUSR1 (SLURM, Kubernetes, the launcher) finishes the step, saves it and exits 75;
+- SIGTERM or SIGUSR1 (SLURM, Kubernetes, the launcher), Ctrl-C or a lost terminal finishes the
+  step, saves it and exits 75; one checkpoint call in the loop, where the cadence is decided;
 - final weights in model.safetensors, with what evaluation needs (model, classes, normalisation).
 
 Launch:
