@@ -46,6 +46,18 @@ class _Unbreakable(io.TextIOBase):
     def fileno(self) -> int:
         return self.stream.fileno()
 
+    # io.TextIOBase answers these itself (None, False): the stream's own answers, for tqdm and wandb
+    @property
+    def encoding(self):
+        return self.stream.encoding
+
+    @property
+    def errors(self):
+        return self.stream.errors
+
+    def writable(self) -> bool:
+        return True
+
     def isatty(self) -> bool:
         return not self.broken and self.stream.isatty()
 

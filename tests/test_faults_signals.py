@@ -115,6 +115,23 @@ def test_a_reader_that_goes_away_costs_no_training(tmp_path, closed):
     assert (out / "checkpoints" / "step_00000016").is_dir() and all_finite(out)
 
 
+def test_an_unbreakable_stream_keeps_the_streams_answers_and_never_raises(tmp_path):
+    """A real pipe whose reader is gone: the first write fails inside, none raises, and what the
+    stream says of itself (encoding, a terminal or not) is the stream's."""
+    from common.output import _Unbreakable
+    read, write = os.pipe()
+    stream = open(write, "w", encoding="utf-8", buffering=1)
+    wrapped = _Unbreakable(stream)
+    assert wrapped.encoding == "utf-8" and wrapped.errors == stream.errors and wrapped.writable()
+    assert not wrapped.isatty() and wrapped.fileno() == write
+    os.close(read)
+    for _ in range(3):
+        print("a line nobody reads", file=wrapped)
+        wrapped.flush()
+    assert wrapped.broken
+    stream.close()  # its buffer goes to /dev/null now: no BrokenPipeError at exit either
+
+
 # ------------------------------------------------------------------------- advice, followed
 
 def last_error(stderr: str) -> str:
