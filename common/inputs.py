@@ -72,7 +72,7 @@ class Inputs:
         """For the start line: the loader, why, and the resolution."""
         workers = ""
         if self.loader == "workers":
-            workers = f", {self.workers} worker{'s' * (self.workers != 1)} per process"
+            workers = f", {self.workers} {'worker' if self.workers == 1 else 'workers'} per process"
         return f"{self.image_size}px, loader {self.loader}{workers} ({self.why})"
 
 

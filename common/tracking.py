@@ -158,9 +158,10 @@ def log_line(m: dict) -> str:
     return line
 
 
-def start_line(script: str, where: str, config: dict, output_dir: Path) -> str:
+def start_line(script: str, where: str, config: dict, data_line: str, output_dir: Path) -> str:
     """The line a run starts with, from the named values of its ``config`` (config.json): the
-    script, the model on ``where`` (its devices), the batch, the lr, the numerics, the data."""
+    script, the model on ``where`` (its devices), the batch, the lr, the numerics, and the data,
+    of which ``data_line`` (common.inputs.Inputs.line) says the resolution and the loader."""
     args = config["args"]
     precision = f"{config['mixed_precision']} " if "mixed_precision" in config else ""
     accumulated = f" x {config['grad_accum']} micro-batches" if config["grad_accum"] > 1 else ""
@@ -168,12 +169,7 @@ def start_line(script: str, where: str, config: dict, output_dir: Path) -> str:
              f"({config['per_device_batch_size']} per device{accumulated})")
     numerics = (f"fp32 math {config['fp32_precision']}"
                 + (" (deterministic)" if args["deterministic"] else ""))
-    workers = config.get("loader_workers") or 0
-    per_process = (f", {workers} worker{'s' * (workers != 1)} per process"
-                   if config["loader"] == "workers" else "")
-    data = (f"{config['train_size']} training images ({config['data']}), "
-            f"{config['image_size'][0]}px, loader {config['loader']}{per_process} "
-            f"({config['loader_reason']})")
+    data = f"{config['train_size']} training images ({config['data']}), {data_line}"
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
     return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "
             f"{numerics}, {data}, {steps}, record in {output_dir}")

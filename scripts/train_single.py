@@ -126,7 +126,7 @@ def main(args):
     start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
                    name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
     where = str(accelerator.device)  # the devices it trains on, for the start line
-    accelerator.print(start_line(SCRIPT, where, config, output_dir))
+    accelerator.print(start_line(SCRIPT, where, config, data.line, output_dir))
 
     # ----------------------------------------------------------------------------------- train
     stop_step = min(total_steps, args.max_steps or total_steps)
