@@ -4,7 +4,8 @@ A write can fail on any process (a full disk, a quota, a read-only folder) and e
 its own way: OSError for small writes, safetensors' SafetensorError, torch.save's RuntimeError
 ("unexpected pos ..."). ``why_not_written`` turns any of them into a few words; ``agree`` and
 ``from_main`` let every process learn of a failure in the collective it would reach next anyway,
-instead of waiting in it until --dist-timeout; ``fail_together`` stops them all with one line.
+instead of waiting in it until --dist-timeout; ``fail_together`` stops them all with one line;
+``refused_together`` does all three for a step that may refuse its input (a UserError).
 """
 
 import shutil
@@ -65,3 +66,17 @@ def fail_together(accelerator, message: str) -> None:
         accelerator.wait_for_everyone()
         error.code = 1  # said once, above; the other processes say nothing
     raise error
+
+
+def refused_together(accelerator, step, *args, **kwargs):
+    """``step(*args, **kwargs)``, whose refusal (a UserError) on any process stops every process
+    with one line instead of one per process. A collective: every process must call it, and
+    ``step`` may refuse only after the collectives it makes itself (or on every process at one)."""
+    result, refusal = None, None
+    try:
+        result = step(*args, **kwargs)
+    except UserError as error:
+        refusal = error.message
+    if (refusal := agree(accelerator, refusal)) is not None:
+        fail_together(accelerator, refusal)
+    return result

@@ -31,6 +31,7 @@ from common.data.stats import channel_stats, sample_stats
 from common.data.transform import BatchTransform
 from common.data.workers import default_workers, report_bad_images, worker_loader
 from common.errors import UserError
+from common.failures import refused_together
 
 
 @dataclasses.dataclass
@@ -78,20 +79,22 @@ class Inputs:
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:
     """The loaders of ``options`` (common.cli.data_options) for ``accelerator``'s device and
-    processes; one line and exit status 1 when the data or the flags cannot work. Each batch is a
-    micro-batch: --batch-size / --grad-accum images over all processes."""
+    processes; one line and exit status 1 when the data or the flags cannot work (one line on N
+    processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
+    processes."""
     micro_batch = options.batch_size // options.grad_accum
-    data = _cached(options, options.image_size)
+    data = refused_together(accelerator, _cached, options, options.image_size, options.batch_size)
     if data is not None:
-        _check_batch_size(options.batch_size, len(data.train_labels))
-        inputs = _from_cache(options, accelerator, data, micro_batch, options.seed,
-                             options.val_fraction, options.augment)
+        inputs = refused_together(accelerator, _from_cache, options, accelerator, data,
+                                  micro_batch, options.seed, options.val_fraction,
+                                  options.augment)
         if inputs is not None:
             return inputs
-    source = _open(options, options.seed, options.val_fraction)
-    _check_batch_size(options.batch_size, len(source.train))
-    return _build(options, accelerator, source, options.image_size, micro_batch, options.seed,
-                  options.val_fraction, augment=options.augment)
+    source = refused_together(accelerator, _open, options, options.seed, options.val_fraction,
+                              options.batch_size)
+    return refused_together(accelerator, _build, options, accelerator, source, options.image_size,
+                            micro_batch, options.seed, options.val_fraction,
+                            augment=options.augment)
 
 
 def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, batch_size: int,
@@ -102,21 +105,25 @@ def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, 
     eval_split = eval_split or {}
     val_fraction = options.val_fraction or eval_split.get("val_fraction")
     seed = eval_split.get("seed", 0)
-    data = _cached(options, image_size)
+    data = refused_together(accelerator, _cached, options, image_size)
     if data is not None:
-        inputs = _from_cache(options, accelerator, data, batch_size, seed, val_fraction,
-                             normalization=normalization)
+        inputs = refused_together(accelerator, _from_cache, options, accelerator, data,
+                                  batch_size, seed, val_fraction, normalization=normalization)
         if inputs is not None:
             return inputs
-    source = _open(options, seed, val_fraction)
-    return _build(options, accelerator, source, image_size, batch_size, seed, val_fraction,
-                  normalization=normalization)
+    source = refused_together(accelerator, _open, options, seed, val_fraction)
+    return refused_together(accelerator, _build, options, accelerator, source, image_size,
+                            batch_size, seed, val_fraction, normalization=normalization)
 
 
-def _open(options: DataOptions, seed: int, val_fraction: float | None):
-    return open_source(options.dataset, options.data_dir, options.cache_dir,
-                       options.synthetic_train_size, options.synthetic_test_size, seed=seed,
-                       val_fraction=val_fraction)
+def _open(options: DataOptions, seed: int, val_fraction: float | None,
+          batch_size: int | None = None):
+    source = open_source(options.dataset, options.data_dir, options.cache_dir,
+                         options.synthetic_train_size, options.synthetic_test_size, seed=seed,
+                         val_fraction=val_fraction)
+    if batch_size is not None:
+        _check_batch_size(batch_size, len(source.train))
+    return source
 
 
 def _check_batch_size(batch_size: int, train_size: int) -> None:
@@ -125,7 +132,8 @@ def _check_batch_size(batch_size: int, train_size: int) -> None:
                         f"images: use a smaller --batch-size")
 
 
-def _cached(options: DataOptions, image_size: int | None):
+def _cached(options: DataOptions, image_size: int | None,
+            batch_size: int | None = None):
     """A Hub dataset an earlier run decoded at its own size (CIFAR from the Hub, run after run):
     the device path starts from it without asking the Hub or `datasets` anything."""
     if options.loader == "workers" or options.data_dir is not None \
@@ -134,6 +142,8 @@ def _cached(options: DataOptions, image_size: int | None):
     data = cached_hub_data(options.dataset, options.cache_dir, options.bad_images == "skip")
     if data is None or image_size not in (None, data.train_images.shape[-1]):
         return None
+    if batch_size is not None:
+        _check_batch_size(batch_size, len(data.train_labels))
     return data
 
 

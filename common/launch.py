@@ -9,6 +9,7 @@ import os
 import torch
 
 from common.errors import UserError
+from common.failures import refused_together
 
 
 def launched_processes() -> int:
@@ -72,4 +73,5 @@ def check_launch(accelerator, batch_size: int, grad_accum: int) -> None:
     """A DDP launch: Accelerate sees every process the launcher started (check_world_size), and
     the global batch cuts into equal slices, one per process and micro-batch (check_batch_split)."""
     check_world_size(accelerator)
-    check_batch_split(batch_size, accelerator.num_processes, "processes", grad_accum)
+    refused_together(accelerator, check_batch_split, batch_size, accelerator.num_processes,
+                     "processes", grad_accum)  # one line, not one per process

@@ -26,8 +26,13 @@ from common.checkpoints import (
 )
 from common.errors import UserError
 from common.failures import fail_together
-from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
+from common.files import atomic_write
+from common.run_lock import LOCK_FILE, RunLock, lock_run_folder, this_job
 from common.weights import read_metadata
+
+
+# The job that took the folder last: its restarted workers continue there by themselves
+JOB_FILE = ".job"
 
 
 def new_run_dir(script: str, root: str = "runs") -> Path:
@@ -55,6 +60,8 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
         or (output_dir is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0)
+    # ... and only into a folder that this job's earlier life took: a restart after a refusal
+    # gets the same checks, and the same refusal
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
             and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
@@ -83,7 +90,9 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             if resume == "latest" and not restarted and not path.is_dir():
                 check_output_dir(path, resume)  # says so before the lock would create the folder
             lock = lock_run_folder(path)
-            decision[0] = _choose_checkpoint(lock, path, given, resume, restarted)
+            ours = restarted and _read_job(path) == this_job()
+            decision[0] = _choose_checkpoint(lock, path, given, resume, ours)
+            _write_job(path)
         except UserError as error:
             if lock:
                 lock.release()
@@ -97,10 +106,11 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
 
 def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: str | None,
                        restarted: bool) -> str | None:
-    """lock_run_and_find_resume's decision, on the main process, holding the lock."""
+    """lock_run_and_find_resume's decision, on the main process, holding the lock; ``restarted``:
+    this job started again in the folder it took before."""
+    if restarted:  # its own newest checkpoint; none yet: where it started, --resume or step 0
+        return _newest_complete(path, "") or (str(given) if given is not None else None)
     if given is not None:
-        if restarted and (latest_checkpoint(path) or given).name > given.name:
-            return _newest_complete(path, "")  # this job's own checkpoints, since its start
         problem = checkpoint_problem(given)
         if problem:
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
@@ -111,9 +121,6 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
         else:
             check_no_later_record(path, given)
         return str(given)
-    # None: the worker died before the first checkpoint; start again in the same folder
-    if restarted:
-        return _newest_complete(path, "")
     check_output_dir(path, resume)
     if not resume:
         return None
@@ -198,3 +205,22 @@ def check_output_dir(output_dir: Path, resume: str | None) -> None:
         what = "a run" if (output_dir / "config.json").exists() else "files"
         raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to "
                         f"continue it, or choose another --output-dir")
+
+
+def _read_job(path: Path) -> str | None:
+    try:
+        return (path / JOB_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _write_job(path: Path) -> None:
+    """Record the job that took the folder (``this_job``: a SLURM job, or a torchrun agent), so that
+    its restarted workers know the folder for theirs; nothing for a plain process."""
+    job = this_job()
+    if job is not None and _read_job(path) != job:
+        try:
+            with atomic_write(path / JOB_FILE) as f:
+                f.write(f"{job}\n".encode())
+        except OSError:
+            pass  # then a restart gets the checks of a new start: it stops, it never guesses

@@ -40,7 +40,7 @@ def lock_run_folder(folder: Path) -> "RunLock":
     folder = Path(folder)
     created = [p for p in [folder, *folder.parents] if not p.exists()]
     me = {"host": socket.gethostname(), "pid": os.getpid(),
-          "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": _job()}
+          "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": this_job()}
     lock = RunLock(folder, created)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def lock_run_folder(folder: Path) -> "RunLock":
     return lock
 
 
-def _job() -> str | None:
+def this_job() -> str | None:
     """What stays the same when a job starts again by itself: the SLURM job id (requeued, perhaps on
     another host), or the torchrun agent that restarts its workers; None for a plain process."""
     if os.environ.get("SLURM_JOB_ID"):

@@ -42,6 +42,7 @@ from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
 from common.errors import UserError
 from common.evaluation import evaluate
+from common.failures import refused_together
 from common.inputs import load_inputs
 from common.launch import check_gpus_per_node, check_launch
 from common.models import build_model
@@ -116,7 +117,9 @@ def main(args):
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, data.num_classes, data.image_size)  # refused if it cannot
+    # refused if it cannot train at this size: one line, on every process at once
+    model = refused_together(accelerator, build_model, args.model, data.num_classes,
+                             data.image_size)
     if args.sync_bn:  # DDP: one set of BatchNorm statistics over the global batch
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC

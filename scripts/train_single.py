@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
 from common.evaluation import evaluate
+from common.failures import refused_together
 from common.inputs import load_inputs
 from common.launch import require_single_process
 from common.models import build_model
@@ -99,7 +100,9 @@ def main(args):
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
 
     # ------------------------------------------------------------- model, optimizer, schedule
-    model = build_model(args.model, data.num_classes, data.image_size)  # refused if it cannot
+    # refused if it cannot train at this size: one line, on every process at once
+    model = refused_together(accelerator, build_model, args.model, data.num_classes,
+                             data.image_size)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.

@@ -13,10 +13,12 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from helpers import ROOT, run, weights
@@ -344,3 +346,60 @@ def test_a_full_disk_for_config_and_metrics(tmp_path):
                                        f"the same command with --output-dir {disk} --resume to start it again from "
                                        f"step 0")
         assert unwritten_metrics() is None
+
+
+# ------------------------------------------------------------------------------ restarts (torchrun)
+
+RESTARTABLE = (*DDP, "--max_restarts", "1", "--rdzv_backend", "c10d")  # as `make ddp`
+
+
+def launch(command, tmp_path, *args) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache"),
+           "PET_STANDALONE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.Popen([*command, str(ROOT / "scripts" / "train_ddp.py"), *FLAGS, *map(str, args)],
+                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def ddp_base(tmp_path_factory):
+    """A finished 2-process run: checkpoints at steps 2, 4, 6, 8 and its final weights."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    process = launch(DDP, out.parent, "--output-dir", out)
+    assert process.wait(timeout=300) == 0, process.communicate()[1]
+    return out
+
+
+def test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given(ddp_base, tmp_path):
+    """--resume RUN/checkpoints/step_2 --output-dir NEW under --max_restarts, a worker SIGKILLed as soon
+    as NEW holds the run's config.json: the restarted job does not take NEW for another run; it goes on
+    from NEW's own newest checkpoint, or from step 2 when it has none, and ends bit for bit where the
+    uninterrupted run ended."""
+    new = tmp_path / "new"
+    process = launch(RESTARTABLE, tmp_path, "--resume", ddp_base / "checkpoints" / step(2), "--output-dir", new)
+    while not (new / "config.json").exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+    own = sorted(p.name for p in (new / "checkpoints").glob("step_*")) if (new / "checkpoints").exists() else []
+    worker = next(c for c in psutil.Process(process.pid).children(recursive=True)
+                  if "train_ddp" in " ".join(c.cmdline()) and c.environ().get("LOCAL_RANK") == "1")
+    worker.kill()
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    restarted_from = new / "checkpoints" / own[-1] if own else ddp_base / "checkpoints" / step(2)
+    resumes = re.findall(r"resumed from (\S+) at", stdout)
+    assert resumes == [str(ddp_base / "checkpoints" / step(2)), str(restarted_from)], stdout[-3000:]
+    assert "already holds" not in stderr
+    assert same_weights(weights(new), weights(ddp_base))
+
+
+def test_a_job_refused_at_its_start_is_refused_again_after_its_restart(ddp_base, tmp_path):
+    """`make ddp` into the folder of a finished run, without --resume: refused; the restarted job gets
+    the same checks, not the newest checkpoint of a run that is not its own, and nothing is changed."""
+    before = digest(ddp_base)
+    process = launch(RESTARTABLE, tmp_path, "--output-dir", ddp_base)
+    stderr = process.communicate(timeout=300)[1]
+    assert process.returncode != 0
+    refusal = (f"error: --output-dir {ddp_base} already holds a run: add --resume to continue it, or choose "
+               f"another --output-dir")
+    assert diagnostics(worker_lines(stderr)) == [refusal] and stderr.count(refusal) == 2  # once a start
+    assert digest(ddp_base) == before

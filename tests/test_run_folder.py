@@ -29,7 +29,7 @@ from common.checkpoints import (
     save_checkpoint,
 )
 from common.errors import UserError
-from common.run_folder import lock_run_and_find_resume
+from common.run_folder import JOB_FILE, lock_run_and_find_resume
 from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
@@ -171,8 +171,9 @@ def test_a_restarted_worker_resumes_from_the_newest_complete_checkpoint(out, mon
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     (out / "checkpoints" / "step_00000008" / "model.safetensors").unlink()
     # The predecessor's lock file, SIGKILLed: the file stays, the kernel released its flock.
-    (out / LOCK_FILE).write_text(json.dumps({"host": HOST, "pid": dead_pid(), "since": "then",
-                                             "job": f"torchrun job-1 on {HOST}, agent pid {os.getppid()}"}))
+    job = f"torchrun job-1 on {HOST}, agent pid {os.getppid()}"
+    (out / LOCK_FILE).write_text(json.dumps({"host": HOST, "pid": dead_pid(), "since": "then", "job": job}))
+    (out / JOB_FILE).write_text(job + "\n")  # the folder this job took before its restart
     assert resolve(out, resume=None) == (out, out / "checkpoints" / "step_00000004")
     assert capsys.readouterr().err.splitlines() == [
         f"warning: damaged checkpoint skipped (step_00000008: model.safetensors is missing): resuming from "
@@ -185,8 +186,27 @@ def test_a_requeued_slurm_job_resumes_by_itself(out, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     (out / LOCK_FILE).write_text(json.dumps({"host": "node-7", "pid": 12345, "since": "then",
                                              "job": "slurm job 4242"}))
+    (out / JOB_FILE).write_text("slurm job 4242\n")
     assert resolve(out, resume=None) == (out, out / "checkpoints" / "step_00000008")
     assert capsys.readouterr().err == ""  # its own lock, from before the requeue: taken over without a word
+
+
+@pytest.mark.parametrize("taken_by", [None, "slurm job 17"], ids=["no job", "another job"])
+def test_a_restart_into_a_folder_this_job_never_took_gets_the_checks_of_a_new_start(out, monkeypatch, taken_by):
+    """A job refused at its start (a folder holding another run) and restarted by torchrun or requeued is
+    refused again: the restart never continues a run that is not its own."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    if taken_by:
+        (out / JOB_FILE).write_text(taken_by + "\n")
+    with pytest.raises(UserError) as error:
+        resolve(out, resume=None)
+    assert error.value.message == (f"--output-dir {out} already holds a run: add --resume to continue it, or "
+                                   f"choose another --output-dir")
+    if taken_by:  # the folder still names the job that took it
+        assert (out / JOB_FILE).read_text() == f"{taken_by}\n"
+    else:
+        assert not (out / JOB_FILE).exists()
 
 
 def test_a_checkpoint_that_passes_the_checks_but_does_not_load_gets_one_line(tmp_path):

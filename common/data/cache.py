@@ -112,7 +112,7 @@ def _load_or_build(path: Path, build) -> ImageData:
     try:
         with atomic_write(path) as f:
             torch.save(vars(cached), f)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         log.warning("could not write cache file %s (%s); the next run decodes again", path,
                     first_line(e))
         return data
