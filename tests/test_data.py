@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -207,7 +208,8 @@ def test_unreadable_cache_file_is_rebuilt_with_a_warning(fake_hub, source, tmp_p
     assert "ignoring unreadable cache file" in caplog.text
     assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
     assert len(fake_hub) == 2  # the rebuilt file is good
-    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+    # common.files.atomic_write writes .tmp-<name>, then renames it: nothing but the cache and its lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file.name, f"{cache_file.name}.lock"]
 
 
 def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkeypatch):
@@ -230,16 +232,44 @@ def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkey
     assert torch.equal(after.train_images[1:], before.train_images[1:])
 
 
-def test_failed_cache_write_leaves_no_file_behind(formats, source, tmp_path, monkeypatch, caplog):
-    def crash_midway(obj, f):
-        f.write(b"half a cache file")
-        raise OSError("No space left on device")
-    monkeypatch.setattr(torch, "save", crash_midway)
-    loaded = load_image_data(data_dir=str(formats["cifar10_pickles"]), cache_dir=str(tmp_path))
-    assert_same(loaded, source)  # the run goes on without a cache
-    assert "cached at" not in loaded.source
-    assert "could not write cache file" in caplog.text
-    assert [p.name for p in tmp_path.iterdir() if p.suffix != ".lock"] == []  # the lock file may stay
+@contextmanager
+def full_disk(path: Path, size: str = "1m"):
+    """A real filesystem of ``size`` at ``path`` (a tmpfs; root only): it fills as a disk does."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_for_the_cache_is_one_warning_and_the_run_goes_on(formats, source, tmp_path, caplog):
+    """A real full disk (a 1 MB tmpfs) under the cache folder: the data still loads, one warning
+    names the file and the cause, no partial file is left, and the cache already there is intact."""
+    with full_disk(tmp_path / "disk") as cache:
+        earlier = load_image_data(data_dir=str(formats["image_folder"]), cache_dir=str(cache))
+        (earlier_file,) = cache.glob("*.pt")
+        before = earlier_file.read_bytes()
+        (cache / "filler").write_bytes(b"\0" * (shutil.disk_usage(cache).free - (16 << 10)))
+        caplog.clear()
+        loaded = load_image_data(data_dir=str(formats["cifar10_pickles"]), cache_dir=str(cache))
+        assert_same(loaded, source)  # the run goes on without a cache
+        assert "cached at" not in loaded.source
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        (warning,) = warnings
+        assert warning.startswith(f"could not write cache file {cache}/dir-") and "\n" not in warning, warning
+        assert warning.endswith("; the next run decodes again"), warning
+        # nothing half-written (no .tmp-<name> of common.files.atomic_write), the earlier cache whole
+        assert sorted(p.name for p in cache.iterdir() if p.suffix != ".lock") == sorted([earlier_file.name, "filler"])
+        assert earlier_file.read_bytes() == before
+        again = load_image_data(data_dir=str(formats["image_folder"]), cache_dir=str(cache))
+        assert_same(again, earlier)
+        assert again.source == earlier.source
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch):
@@ -385,7 +415,8 @@ def test_processes_that_start_together_decode_once(tmp_path):
     with multiprocessing.get_context("spawn").Pool(3) as pool:
         results = pool.starmap(_build_through_cache, [(str(folder), builds)] * 3)
     assert len(builds) == 1 and len(set(results)) == 1
-    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    # one cache and its lock: no .tmp-<name> left by common.files.atomic_write
+    assert sorted(p.name for p in folder.iterdir()) == ["shared.pt", "shared.pt.lock"]
 
 
 def _build_through_cache(folder, builds):
