@@ -366,16 +366,26 @@ def test_bad_image_is_left_out_with_skip_bad(formats, source, tmp_path, caplog):
     assert str(broken) in caplog.text and "--bad-images skip" in caplog.text
 
 
-def test_image_of_another_size_is_resized_to_the_size_of_the_others(formats, tmp_path):
-    """Images need not share a size: one of 16x16 among 32x32 ones is resized (and, were it not
-    square, centre-cropped) to 32x32, the size the others share."""
+def test_images_of_other_sizes_are_resized_and_centre_cropped_to_the_size_of_the_others(formats, tmp_path):
+    """Images need not share a size: a 16x24 one and a 24x16 one among 32x32 ones are resized (the
+    shorter side to 32, so 2x) and their centre squares cut out. Each is 200 in its centre and has
+    4-pixel borders of 0 and 100 at the ends of its long side, which the centre crop leaves out but
+    for the blend of the 2x bilinear resize in its first and last column (row): 3/4 of the centre's
+    200 and 1/4 of the border. A crop off the centre, or a squeeze without a crop, shows a border."""
     folder = copy_of(formats["image_folder"], tmp_path)
-    small = sorted((folder / "test" / "dog").iterdir())[0]
-    small.write_bytes(png(torch.full((3, 16, 16), 200, dtype=torch.uint8)))
+    wide = torch.full((3, 16, 24), 200, dtype=torch.uint8)
+    wide[..., :4], wide[..., 20:] = 0, 100
+    images = {"dog": wide, "cat": wide.transpose(1, 2)}  # landscape, portrait
+    for name, image in images.items():
+        sorted((folder / "test" / name).iterdir())[0].write_bytes(png(image.contiguous()))
     loaded = load_image_data(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
     assert loaded.test_images.shape[1:] == (3, 32, 32)
-    first_dog = loaded.test_labels.tolist().index(CLASSES.index("dog"))
-    assert torch.equal(loaded.test_images[first_dog], torch.full((3, 32, 32), 200, dtype=torch.uint8))
+    for name in images:
+        fitted = loaded.test_images[loaded.test_labels.tolist().index(CLASSES.index(name))].int()
+        if name == "cat":
+            fitted = fitted.transpose(1, 2)  # its long side along the columns too
+        assert torch.equal(fitted[..., 1:-1], torch.full((3, 32, 30), 200)), name
+        assert (fitted[..., 0] - 150).abs().max() <= 1 and (fitted[..., -1] - 175).abs().max() <= 1, name
 
 
 @pytest.mark.parametrize("damage", ["missing", "not a pickle"])
