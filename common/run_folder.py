@@ -26,13 +26,8 @@ from common.checkpoints import (
 )
 from common.errors import UserError
 from common.failures import fail_together
-from common.files import atomic_write
-from common.run_lock import LOCK_FILE, RunLock, lock_run_folder, this_job
+from common.run_lock import LOCK_FILE, RunLock, lock_run_folder, read_job, this_job
 from common.weights import read_metadata
-
-
-# The job that took the folder last: its restarted workers continue there by themselves
-JOB_FILE = ".job"
 
 
 def new_run_dir(script: str, root: str = "runs") -> Path:
@@ -90,9 +85,9 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             if resume == "latest" and not restarted and not path.is_dir():
                 check_output_dir(path, resume)  # says so before the lock would create the folder
             lock = lock_run_folder(path)
-            ours = restarted and _read_job(path) == this_job()
+            ours = restarted and read_job(path) == this_job()
             decision[0] = _choose_checkpoint(lock, path, given, resume, ours)
-            _write_job(path)
+            lock.record_job()  # for a restart of this job
         except UserError as error:
             if lock:
                 lock.release()
@@ -206,21 +201,3 @@ def check_output_dir(output_dir: Path, resume: str | None) -> None:
         raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to "
                         f"continue it, or choose another --output-dir")
 
-
-def _read_job(path: Path) -> str | None:
-    try:
-        return (path / JOB_FILE).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _write_job(path: Path) -> None:
-    """Record the job that took the folder (``this_job``: a SLURM job, or a torchrun agent), so that
-    its restarted workers know the folder for theirs; nothing for a plain process."""
-    job = this_job()
-    if job is not None and _read_job(path) != job:
-        try:
-            with atomic_write(path / JOB_FILE) as f:
-                f.write(f"{job}\n".encode())
-        except OSError:
-            pass  # then a restart gets the checks of a new start: it stops, it never guesses

@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from common.errors import UserError
+from common.files import atomic_write
 
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
+# The launched job that took the folder last (this_job): its restarted workers continue there
+JOB_FILE = ".job"
 # config.json of a run started again from step 0, until replaced
 _SET_ASIDE = ".config.json.before-restart"
 
@@ -68,6 +71,14 @@ def this_job() -> str | None:
         return (f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, "
                 f"agent pid {os.getppid()}")
     return None
+
+
+def read_job(folder: Path) -> str | None:
+    """The launched job that took ``folder`` last (``this_job``); None: none, or unreadable."""
+    try:
+        return (Path(folder) / JOB_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _holder(info: dict) -> str:
@@ -149,6 +160,18 @@ class RunLock:
         raise UserError(f"{self.folder} is in use by another job ({_holder(holder)}): wait for it "
                         f"to end, or choose another --output-dir{hint}")
 
+    def record_job(self) -> None:
+        """Say in the folder which launched job took it (a SLURM job, a torchrun agent), so that
+        its restarted workers know the folder for theirs; nothing for a plain process."""
+        job = this_job()
+        if job is None or read_job(self.folder) == job:
+            return
+        try:
+            with atomic_write(self.folder / JOB_FILE) as f:
+                f.write(f"{job}\n".encode())
+        except OSError:
+            pass  # then a restart gets the checks of a new start: it stops, it never guesses
+
     def set_aside_config(self) -> None:
         """Move config.json aside until this job writes its own; ``release`` puts it back
         otherwise."""
@@ -177,6 +200,11 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
             RunLock._held.remove(self)
+        try:
+            if self.created and [p.name for p in self.folder.iterdir()] == [JOB_FILE]:
+                (self.folder / JOB_FILE).unlink()  # the run wrote nothing
+        except OSError:
+            pass
         for folder in self.created:
             try:
                 folder.rmdir()

@@ -273,3 +273,23 @@ def test_a_value_the_optimizer_cannot_hold_is_one_line(flags, message, tmp_path)
     # Before: "RuntimeError: value cannot be converted to type float without overflow" at step 1.
     out, done = train(tmp_path, *SYNTHETIC, *STEP, *flags)
     assert refused(done, out) == f"error: {message}"
+
+
+# ----------------------------------------------------------------------------------------------
+# A refusal on N processes: one line, from the main process
+
+@pytest.mark.parametrize("case", ["one class", "model size", "batch split"])
+def test_a_refusal_on_two_processes_is_one_line(case, one_class_runs, tmp_path):
+    """Every process meets the same bad input; they agree on it, and only the main process says it."""
+    flags = {"one class": ["--data-dir", one_class_runs[1]["one"], *STEP],
+             "model size": [*SYNTHETIC, *STEP, "--model", "torchvision:vit_b_16"],
+             "batch split": [*SYNTHETIC, *STEP, "--batch-size", "5"]}[case]
+    out = tmp_path / "run"
+    done = run("train_ddp.py", *flags, "--output-dir", out, launcher=ACCELERATE, cwd=tmp_path,
+               check=False, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: "), done.stderr
+    assert {"one class": "has one class folder, train/cat/", "model size": "takes 224x224 images only",
+            "batch split": "--batch-size 5 does not divide by 2 processes"}[case] in errors[0]
+    assert not out.exists()

@@ -29,8 +29,8 @@ from common.checkpoints import (
     save_checkpoint,
 )
 from common.errors import UserError
-from common.run_folder import JOB_FILE, lock_run_and_find_resume
-from common.run_lock import LOCK_FILE, RunLock, lock_run_folder
+from common.run_folder import lock_run_and_find_resume
+from common.run_lock import JOB_FILE, LOCK_FILE, RunLock, lock_run_folder
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]
