@@ -7,12 +7,15 @@ does: the bitwise comparison below proves that the diff changes nothing else.
 import importlib.util
 import json
 import math
+import sys
 
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import DATA, ROOT, run, weights
+from helpers import DATA, ROOT, TINY, run, weights
+from probe_counts import per_class, predictions, printed_per_class, learnt
 
+from common.data.synthetic import make_synthetic
 from common.data_parallel import data_parallel_devices, memory_report
 from common.errors import UserError
 from common.launch import check_batch_split
@@ -23,6 +26,8 @@ from common.tracking import log_line
 # train 3, with augmentation (the default).
 FLAGS = [*DATA, "--synthetic-train-size", 512, "--synthetic-test-size", 100, "--model", "resnet20",
          "--batch-size", 32, "--max-steps", 3]
+# DataParallel over 2 replicas on the CPU, as on 2 GPUs (tests/probe_dp_replicas.py)
+TWO_REPLICAS = (sys.executable, str(ROOT / "tests" / "probe_dp_replicas.py"))
 
 
 def load_script():
@@ -57,12 +62,30 @@ def test_cpu_trains_on_one_device_and_writes_the_run_record(dp_run):
     build_model("resnet20", num_classes=10).load_state_dict(state)  # strict: every key, no extra
 
 
-def test_evaluate_reproduces_the_accuracy_of_a_dp_run(dp_run):
-    out, _ = dp_run
-    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]
-    done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, "--synthetic-train-size", 512,
-               "--synthetic-test-size", 100)
-    assert done.stdout.startswith(f"test_acc={logged:.4f} (")
+@pytest.fixture(scope="module")
+def learnt_dp_run(full_run, tmp_path_factory):
+    """train_dp.py over 2 replicas, one step on from the end of full_run's second epoch (train_single.py's
+    checkpoint: the same training on a CPU): weights that have learnt, evaluated through DataParallel."""
+    out = tmp_path_factory.mktemp("dp-learnt") / "run"
+    run("train_dp.py", *TINY, "--resume", full_run[0] / "checkpoints" / "step_00000032", "--max-steps", 33,
+        "--output-dir", out, launcher=TWO_REPLICAS, env_extra={"PROBE_FILE": str(out.parent / "gathered.json")})
+    return out
+
+
+def test_evaluate_reproduces_the_accuracy_of_a_dp_run(learnt_dp_run):
+    out = learnt_dp_run
+    assert json.loads((out.parent / "gathered.json").read_text()) == [[64, 10]]  # 2 replicas' logits gathered
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["step"] == 33
+    done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA)
+    # Counted again here, without common.evaluation: the test images, the weights, argmax == label.
+    test = make_synthetic(1024, 300)
+    counts = per_class(predictions(out / "model.safetensors", test.test_images), test.test_labels, 10)
+    assert learnt(counts), counts  # not one class predicted for every image
+    correct = sum(c for c, _ in counts)
+    assert logged["test_acc"] == correct / 300 and logged["test_images"] == 300
+    assert done.stdout.startswith(f"test_acc={correct / 300:.4f} ({correct}/300) ")
+    assert printed_per_class(done.stdout) == counts
 
 
 def test_cpu_gives_the_weights_of_train_single_bitwise(dp_run, tmp_path):
@@ -85,10 +108,19 @@ def test_resume_mid_epoch_equals_uninterrupted_bitwise(dp_run, tmp_path):
         assert torch.equal(ours[key], theirs[key]), key
 
 
-def test_loss_in_replicas_gives_the_same_weights(dp_run, tmp_path):
-    reference, _ = dp_run
-    run("train_dp.py", *FLAGS, "--loss-in-replicas", "--output-dir", tmp_path / "run")
-    ours, theirs = weights(tmp_path / "run"), weights(reference)
+def test_loss_in_replicas_gives_the_same_weights_over_two_replicas(tmp_path):
+    """The losses the replicas computed, combined, train as the loss of the gathered outputs: their mean
+    over 2 replicas of equal slices (a sum would double every gradient)."""
+    runs = {}
+    for name, extra in (("gathered", []), ("replicas", ["--loss-in-replicas"])):
+        runs[name] = tmp_path / name
+        done = run("train_dp.py", *FLAGS, *extra, "--output-dir", runs[name], launcher=TWO_REPLICAS,
+                   env_extra={"PROBE_FILE": str(tmp_path / f"{name}.json")})
+        assert "on cuda:0, cuda:1, batch 32 (16 per device)" in done.stdout, done.stdout
+    # What DataParallel gathered at each of the 3 steps: every image's logits, or one loss per replica.
+    assert json.loads((tmp_path / "gathered.json").read_text()) == [[32, 10]] * 3
+    assert json.loads((tmp_path / "replicas.json").read_text()) == [[2]] * 3
+    ours, theirs = weights(runs["replicas"]), weights(runs["gathered"])
     assert ours.keys() == theirs.keys()  # the plain model's keys: no module. or model. prefix
     for key in ours:
         assert torch.allclose(ours[key].float(), theirs[key].float(), rtol=0, atol=1e-6), key
