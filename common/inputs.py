@@ -179,7 +179,8 @@ def _build(options, accelerator, source, image_size, batch_size, seed, val_fract
     workers = options.workers
     if workers is None:
         workers = default_workers(local_processes(accelerator))
-    report_bad_images()  # an unreadable image found by a worker: one line, not a traceback
+    # an unreadable image found by a worker: one line, not a traceback
+    report_bad_images(training=augment is not None)
     # Augmentation happens in the workers, per sample; on the device only the normalisation.
     if normalization:
         stats = normalization["mean"], normalization["std"]

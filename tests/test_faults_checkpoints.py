@@ -142,6 +142,25 @@ def test_a_checkpoint_without_digests_that_does_not_load_falls_back(base, copy):
     assert same_weights(weights(copy), weights(base))
 
 
+def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(copy, tmp_path):
+    """--resume RUN/checkpoints/step_N names the checkpoint to load: when it does not load (an earlier
+    version's, without digests, with a garbled scheduler.bin), one line names a complete one to pass
+    instead, and nothing of the run changes."""
+    (copy / "model.safetensors").unlink()  # stopped after step 8, say
+    newest = copy / "checkpoints" / step(8)
+    manifest = json.loads((newest / "checkpoint.json").read_text())
+    del manifest["crc32"]
+    (newest / "checkpoint.json").write_text(json.dumps(manifest))
+    garble(newest / "scheduler.bin")
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--resume", newest, check=False, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [line] = diagnostics(done.stderr)
+    assert line.startswith(f"error: --resume {newest}: the checkpoint is damaged (scheduler.bin does not load (")
+    assert line.endswith(f"); pass a complete one, such as {copy}/checkpoints/{step(6)}"), line
+    assert digest(copy) == before
+
+
 def test_a_manifest_listing_nothing_is_damaged(copy):
     from common.run_folder import lock_run_and_find_resume
 
@@ -317,6 +336,16 @@ def test_a_full_disk_under_ddp_is_one_line_and_no_hang(tmp_path):
         done = run("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", launcher=DDP, cwd=tmp_path,
                    timeout=240)
         assert f"resumed from {out}/checkpoints/{step(2)}" in done.stdout and (out / "model.safetensors").is_file()
+
+
+def test_a_disk_full_before_the_run_starts_is_one_line_and_leaves_nothing(tmp_path):
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        (disk / "filler").write_bytes(b"\0" * shutil.disk_usage(disk).free)
+        out = disk / "run"
+        done = run("train_single.py", *FLAGS, "--output-dir", out, check=False, cwd=tmp_path)
+        assert done.returncode == 1 and diagnostics(done.stderr) == [
+            f"error: cannot write in {out} (No space left on device): choose an --output-dir you can write to"]
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
 
 
 class OneProcess:

@@ -293,3 +293,33 @@ def test_a_refusal_on_two_processes_is_one_line(case, one_class_runs, tmp_path):
     assert {"one class": "has one class folder, train/cat/", "model size": "takes 224x224 images only",
             "batch split": "--batch-size 5 does not divide by 2 processes"}[case] in errors[0]
     assert not out.exists()
+
+
+def test_a_whole_dataset_one_level_down_is_refused_and_the_folder_it_names_trains(tmp_path):
+    """train/X/train/<class>/...: the refusal names the folder to give; given, it trains."""
+    root = tmp_path / "data"
+    image_folder(root / "train" / "X", ["cat", "dog"])
+    out, done = train(tmp_path, "--data-dir", root, *STEP)
+    assert refused(done, out) == (f"error: image folder {root} has one class folder, train/X/, which holds a "
+                                  f"dataset of its own (train/X/train/); pass --data-dir {root}/train/X")
+    out, done = train(tmp_path, "--data-dir", root / "train" / "X", *STEP)
+    assert done.returncode == 0 and json.loads((out / "config.json").read_text())["classes"] == ["cat", "dog"]
+
+
+def test_an_unreadable_image_met_while_training_is_one_line_whose_advice_finishes_the_run(tmp_path):
+    """--loader workers meets the image in epoch 1, after the run's folder is written: the line says
+    to replace the file (or skip it) and --resume; replacing it and doing so finishes the run."""
+    root = image_folder(tmp_path / "data", ["cat", "dog"])
+    broken = root / "train" / "dog" / "3.png"
+    good = broken.read_bytes()
+    broken.write_bytes(good[:40])  # cut short, as an interrupted copy leaves it
+    flags = ["--data-dir", root, "--loader", "workers", "--workers", "1", *STEP, "--max-steps", "3"]  # all of it
+    out, done = train(tmp_path, *flags)
+    assert done.returncode == 1 and (out / "config.json").is_file(), done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: cannot decode image {broken} (") and line.endswith(
+        "; replace or remove the file, or pass --bad-images skip to train without it; then the same command "
+        "with --resume continues the run"), line
+    broken.write_bytes(good)
+    out, done = train(tmp_path, *flags, "--resume")
+    assert done.returncode == 0 and (out / "model.safetensors").is_file(), done.stderr

@@ -181,10 +181,11 @@ def collate_channels_last(samples) -> tuple[torch.Tensor, torch.Tensor]:
     return images.permute(0, 3, 1, 2), labels
 
 
-def report_bad_images() -> None:
+def report_bad_images(training: bool = True) -> None:
     """Make an unreadable image end the run in one line (exit status 1) wherever it was found: in
     this process, or in a DataLoader worker, which passes the BadImage on with its whole traceback
-    as the message. Installed as sys.excepthook, around the hook already there."""
+    as the message. Installed as sys.excepthook, around the hook already there. A training run has
+    written its folder by then: the line says that --resume continues it."""
     previous = sys.excepthook
     if getattr(previous, "reports_bad_images", False):
         return
@@ -193,7 +194,8 @@ def report_bad_images() -> None:
         if not issubclass(kind, BadImage):
             return previous(kind, error, traceback)
         message = str(error).strip().splitlines()[-1].split("BadImage: ", 1)[-1]
+        then = "; then the same command with --resume continues the run" if training else ""
         print(f"error: {message}; replace or remove the file, or pass --bad-images skip to train "
-              f"without it", file=sys.stderr)
+              f"without it{then}", file=sys.stderr)
     hook.reports_bad_images = True
     sys.excepthook = hook
