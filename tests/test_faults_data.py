@@ -323,3 +323,15 @@ def test_an_unreadable_image_met_while_training_is_one_line_whose_advice_finishe
     broken.write_bytes(good)
     out, done = train(tmp_path, *flags, "--resume")
     assert done.returncode == 0 and (out / "model.safetensors").is_file(), done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--output-dir", "--cache-dir"])
+def test_a_folder_flag_on_a_read_only_mount_is_one_line(flag, read_only_home, tmp_path):
+    """A real read-only filesystem (root may write anywhere else): refused with the flags, nothing run."""
+    folder = read_only_home / "run"
+    done = run("train_single.py", *SYNTHETIC, *STEP, "--output-dir", tmp_path / "run", flag, folder,
+               cwd=tmp_path, check=False)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: {flag} {folder}: must be a folder you can write in, but {read_only_home} is not writable; "
+        f"choose another {flag}"], done.stderr
+    assert not (tmp_path / "run").exists() and list(read_only_home.iterdir()) == []
