@@ -234,6 +234,57 @@ def poison(path: Path) -> str:
     return name
 
 
+def test_resume_with_no_complete_checkpoint_is_one_line_and_changes_nothing(copy, tmp_path):
+    for n in (2, 4, 6):
+        shutil.rmtree(copy / "checkpoints" / step(n))
+    (copy / "model.safetensors").unlink()  # stopped after step 8, say
+    cut = copy / "checkpoints" / step(8) / "model.safetensors"
+    size = cut.stat().st_size
+    cut.write_bytes(cut.read_bytes()[:-3])  # a copy cut short
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
+    assert done.returncode == 1 and diagnostics(done.stderr) == [
+        f"error: --resume: no checkpoint in {copy}/checkpoints is complete ({step(8)}: model.safetensors has "
+        f"{size - 3} bytes where {size} were written): restore the damaged files, or remove {copy}/checkpoints "
+        f"and --resume to start the run again from step 0"]
+    assert digest(copy) == before
+
+
+def test_resume_of_a_finished_run_whose_checkpoints_were_removed_is_one_line(copy, tmp_path):
+    shutil.rmtree(copy / "checkpoints")
+    before = digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
+    assert done.returncode == 1 and diagnostics(done.stderr) == [
+        f"error: --resume: the run in {copy} has finished (model.safetensors) and has no checkpoint left to "
+        f"continue from; start a new run in another --output-dir"]
+    assert digest(copy) == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume_with_new_flags(tmp_path):
+    """SIGKILL after config.json, before any checkpoint: --resume, here with another --batch-size (the
+    advice after running out of memory), starts the run again from step 0 with one warning, and
+    config.json becomes the new run's."""
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--checkpoint-every", "100",
+               "--epochs", "50", "--output-dir", str(out)]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "WANDB_MODE": "offline"})
+    while not (out / "config.json").exists():
+        assert process.poll() is None
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    assert not (out / "checkpoints").exists()
+    done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", "--batch-size", "32", cwd=tmp_path)
+    lock, again = diagnostics(done.stderr)
+    assert re.fullmatch(rf"warning: {re.escape(str(out))}/\.lock was left by pid {process.pid} on \S+ \(since "
+                        rf"[^)]+\), which ended without releasing it; this job takes the run over", lock), lock
+    assert again == f"warning: --resume: {out} has no checkpoint (its run stopped before the first one): starting " \
+                    f"it again from step 0"
+    assert json.loads((out / "config.json").read_text())["args"]["batch_size"] == 32
+    assert "done: step 16" in done.stdout  # 256 images at batch 32, 2 epochs
+
+
 def test_weights_that_are_not_finite_are_not_written(copy):
     """A checkpoint that holds an inf (digests rewritten: it was trained in, not damaged since)."""
     newest = copy / "checkpoints" / step(8)
