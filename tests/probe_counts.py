@@ -50,7 +50,7 @@ def per_class(predicted: torch.Tensor, labels: torch.Tensor, classes: int) -> li
 
 def printed_per_class(stdout: str) -> list[tuple[int, int]]:
     """evaluate.py's per-class lines, "  name  0.5000  (5/10)", as (correct, total)."""
-    return [(int(a), int(b)) for a, b in re.findall(r"^  \S+ +\d\.\d{4}  \((\d+)/(\d+)\)$", stdout, re.M)]
+    return [(int(a), int(b)) for a, b in re.findall(r"^  \S+ +\d\.\d{4}  \((\d+)/(\d+)\)$", stdout, re.MULTILINE)]
 
 
 def learnt(counts: list[tuple[int, int]]) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from helpers import DATA, ROOT, TINY, run, weights
-from probe_counts import per_class, predictions, printed_per_class, learnt
+from probe_counts import learnt, per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
 from common.data_parallel import data_parallel_devices, memory_report
