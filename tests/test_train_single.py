@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.utils import set_seed
 from helpers import DATA, TINY, run, wandb_runs, weights
+from safetensors.torch import load_file
 from wandb_records import offline_run
 
 from common.models import build_model
@@ -79,12 +81,18 @@ def test_resume_mid_epoch_equals_uninterrupted_bitwise(full_run, tmp_path):
 
 
 def test_a_different_seed_gives_different_weights(full_run, tmp_path):
-    """Negative control: the bitwise comparison above can fail."""
+    """Negative control: the bitwise comparison above can fail. The uninterrupted run's flags with another
+    --seed, compared after the same 32 steps (the reference's checkpoint of step 32): --max-steps and
+    --report-to change nothing computed before the stop (a resume may change them), so the seed is the one
+    difference."""
     reference, _ = full_run
     out = tmp_path / "run"
-    done = run("train_single.py", *TINY, "--epochs", 1, "--seed", 1, "--report-to", "none", "--output-dir", out)
-    ours, theirs = weights(out), weights(reference)
-    assert not all(torch.equal(ours[k], theirs[k]) for k in ours)
+    done = run("train_single.py", *TINY, "--seed", 1, "--max-steps", 32, "--report-to", "none", "--output-dir", out)
+    ours = weights(out)
+    theirs = load_file(str(reference / "checkpoints" / "step_00000032" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    trained = {k for k in ours if ours[k].is_floating_point()}  # all but BatchNorm's step counts
+    assert {k for k in trained if not torch.equal(ours[k], theirs[k])} == trained
     assert not (out / "wandb").exists() and "wandb" not in done.stdout  # --report-to none: no tracking
 
 
@@ -179,6 +187,14 @@ def test_evaluate_refuses_data_of_other_classes(full_run, tmp_path):
         f"bird4... but the data has class0, class1, class2, class3, class4...: pass the data flags of the training run"]
 
 
+def test_evaluate_refuses_another_image_size(full_run):
+    out, _ = full_run
+    trained = out / "model.safetensors"
+    done = run("evaluate.py", "--weights", trained, *DATA, "--image-size", 64, check=False)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: --weights {trained} were trained on 32px images, not --image-size 64: drop --image-size"]
+
+
 def test_evaluate_says_when_weights_do_not_fit(full_run):
     out, _ = full_run
     done = run("evaluate.py", "--weights", out / "model.safetensors", "--model", "resnet32", *DATA, check=False)
@@ -186,20 +202,44 @@ def test_evaluate_says_when_weights_do_not_fit(full_run):
     assert done.stderr.startswith("error: --weights") and "do not fit --model resnet32" in done.stderr
 
 
+def far_from(ours, reference, initial, rtol):
+    """The tensors of ``ours`` further from ``reference`` (largest difference) than ``rtol`` times how far
+    training moved ``reference`` from ``initial`` (largest difference); integer ones (BatchNorm's step
+    counts) must be equal."""
+    def largest(a, b):
+        return (a.double() - b.double()).abs().max().item()
+    return {k for k, v in reference.items() if (largest(ours[k], v) > rtol * largest(v, initial[k])
+                                                if v.is_floating_point() else not torch.equal(ours[k], v))}
+
+
 def test_compile_traces_the_model_and_trains_the_same_weights(tmp_path):
     # --compile goes through Accelerate's dynamo_backend. aot_eager traces forward and backward as
     # inductor does, without inductor's minute of C++ compiling (scripts/benchmark.py measures that).
-    flags = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--lr", "0.01",
-             "--report-to", "none"]
-    run("train_single.py", *flags, "--max-steps", "3", "--output-dir", tmp_path / "eager")
-    done = run("train_single.py", *flags, "--max-steps", "3", "--compile", "aot_eager",
-               "--output-dir", tmp_path / "compiled", env_extra={"TORCH_LOGS": "graph_code"})
+    # lr 0.1 from the first step: in 6 steps every tensor moves by 1e-3 or more, so 1% of that is far above
+    # float32's rounding and far below what a wrong gradient in any one layer changes.
+    flags = [*DATA, "--synthetic-test-size", 50, "--model", "resnet20", "--batch-size", 64,
+             "--reference-batch-size", 64, "--epochs", 1, "--warmup-epochs", 0, "--report-to", "none"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    run("train_single.py", *flags, "--max-steps", 8, "--checkpoint-every", 6, "--output-dir", eager)
+    done = run("train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager", "--output-dir", compiled,
+               env_extra={"TORCH_LOGS": "graph_code"})
     assert "TRACED GRAPH" in done.stderr  # dynamo really traced the model
-    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["args"]["compile"] == "aot_eager"
-    # The same weights as the eager run, in a file that loads into a plain model.
-    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
-    assert compiled.keys() == eager.keys() == build_model("resnet20", 10).state_dict().keys()
-    assert max((eager[k].float() - compiled[k].float()).abs().max().item() for k in eager) < 1e-4
-    # Checkpoints hold the plain model: the run goes on without --compile.
-    run("train_single.py", *flags, "--max-steps", "4", "--output-dir", tmp_path / "compiled", "--resume")
-    assert json.loads((tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    assert json.loads((compiled / "config.json").read_text())["args"]["compile"] == "aot_eager"
+    # Tensor by tensor, the eager run's weights of step 6 within 1% of how far it moved each from the
+    # initial weights (--seed 0, then the model), in a file that loads into a plain model.
+    set_seed(0)
+    initial = build_model("resnet20", 10).state_dict()
+    eager_6 = load_file(str(eager / "checkpoints" / "step_00000006" / "model.safetensors"))
+    compiled_6 = weights(compiled)
+    assert compiled_6.keys() == eager_6.keys() == initial.keys()
+    moved = {k: (v - initial[k]).abs().max().item() for k, v in eager_6.items() if v.is_floating_point()}
+    assert min(moved.values()) > 5e-4, moved
+    assert far_from(compiled_6, eager_6, initial, rtol=0.01) == set()
+    # Negative control: each tensor 5% further along than eager took it fails the same comparison.
+    overshot = {k: v + 0.05 * (v - initial[k]) if v.is_floating_point() else v for k, v in eager_6.items()}
+    assert far_from(overshot, eager_6, initial, rtol=0.01) == set(moved)
+    # Checkpoints hold the plain model: the run goes on without --compile, to the eager run's weights of
+    # step 8 (within 1% of how far those 2 steps moved each tensor).
+    run("train_single.py", *flags, "--max-steps", 8, "--output-dir", compiled, "--resume")
+    assert json.loads((compiled / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 8
+    assert far_from(weights(compiled), weights(eager), eager_6, rtol=0.01) == set()
