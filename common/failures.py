@@ -60,12 +60,26 @@ def fail_together(accelerator, message: str) -> None:
     """Stop every process with ``message`` (they all have it): one line from the main process, said
     before any process exits so that the launcher cannot stop it first, then exit status 1."""
     error = UserError(message)
+    end_tracking_failed(accelerator)
     if getattr(accelerator, "num_processes", 1) > 1:
         if accelerator.is_main_process:
             print(error.code, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
         error.code = 1  # said once, above; the other processes say nothing
     raise error
+
+
+def end_tracking_failed(accelerator, exit_code: int = 1) -> None:
+    """Finish the job's trackers as failed: wandb records a run that nothing finished as exit code
+    0, that is, as a success. Only the main process has trackers; a no-op before they start."""
+    for tracker in getattr(accelerator, "trackers", None) or []:
+        try:
+            run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run
+            run.finish(exit_code=exit_code) if hasattr(run, "finish") else tracker.finish()
+        except Exception:  # noqa: BLE001, S110 - already failing; tracking must not add to it
+            pass
+    if getattr(accelerator, "trackers", None):
+        accelerator.trackers = []
 
 
 def refused_together(accelerator, step, *args, **kwargs):

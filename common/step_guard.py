@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoints import latest_checkpoint, latest_good_checkpoint
+from common.failures import end_tracking_failed
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
 # torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
@@ -152,6 +153,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, signal.SIG_IGN)
     else:
+        end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
         print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
     return stop.exit_code

@@ -42,8 +42,6 @@ def test_the_wandb_variables_name_the_run_without_the_flags(tmp_path, full_run):
     assert (default["project"], default["tags"], default["group"]) == ("multigpu-cifar", [], "")
 
 
-@pytest.mark.xfail(strict=True, reason="the offline run of a diverged train_single.py (exit status 1) ends with exit "
-                                       "code 0 in wandb 0.31: nothing finishes it with the run's status")
 def test_a_run_that_fails_is_marked_failed(tmp_path):
     """An lr of 1e30 makes the loss NaN at step 2: the run stops with exit status 1, and its wandb run
     is marked failed (a non-zero exit code), as docs/usage.md says."""
