@@ -4,7 +4,6 @@ not given, and marked failed when the run fails (docs/usage.md, "Tracking").
 Each run is read back from its offline datastore with wandb's own protobuf schema (tests/wandb_records.py).
 """
 
-import pytest
 from helpers import run, wandb_runs
 from wandb_records import offline_run, records
 
