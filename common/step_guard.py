@@ -142,8 +142,8 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
 
     After a stop signal: one line naming ``checkpoint`` (the step saved), the trackers closed, and
     further stop signals ignored (the launcher's SIGTERM, once another process has exited, must not
-    kill this one while it shuts down). After divergence: the error line on every process before any
-    exits, so the launcher cannot stop one before it speaks.
+    kill this one while it shuts down). After divergence: the error line, the same on every process,
+    from the main process before any exits, so the launcher cannot stop it before it speaks.
     """
     if stop.saves:
         accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
@@ -154,7 +154,8 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
             signal.signal(stop_signal, signal.SIG_IGN)
     else:
         end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
-        print(stop.message, file=sys.stderr, flush=True)
+        if getattr(accelerator, "is_main_process", True):  # the same line on every process
+            print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
     return stop.exit_code
 

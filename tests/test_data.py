@@ -263,7 +263,7 @@ def test_a_full_disk_for_the_cache_is_one_warning_and_the_run_goes_on(formats, s
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         (warning,) = warnings
         assert warning.startswith(f"could not write cache file {cache}/dir-") and "\n" not in warning, warning
-        assert warning.endswith("; the next run decodes again"), warning
+        assert warning.endswith(" (no space left on the device); the next run decodes again"), warning
         # nothing half-written (no .tmp-<name> of common.files.atomic_write), the earlier cache whole
         assert sorted(p.name for p in cache.iterdir() if p.suffix != ".lock") == sorted([earlier_file.name, "filler"])
         assert earlier_file.read_bytes() == before

@@ -294,9 +294,9 @@ def test_a_nan_loss_stops_every_process_at_the_same_step(tmp_path):
     cmd = [*accelerate(), "--lr", "1e6", "--checkpoint-every", "2", "--output-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    # Each process writes its line; they may follow a progress bar or each other on one line.
+    # One line for the job, from the main process (it may follow a progress bar on its line).
     lines = re.findall(r"error: the loss is .*? with a lower --lr", done.stderr)
-    assert len(lines) == 2 and lines[0] == lines[1], done.stderr  # both processes, the same decision
+    assert len(lines) == 1, done.stderr
     step = int(lines[0].split(" at step ")[1].split(":")[0])
     newest = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
     assert newest < step and f"the last good checkpoint is {out}/checkpoints/step_{newest:08d}" in lines[0]

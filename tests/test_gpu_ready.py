@@ -7,7 +7,7 @@ under --deterministic on real kernels) is in tests/test_gpu.py, run by `make gpu
 import dataclasses
 import os
 import signal
-import time
+import types
 
 import pytest
 import torch
@@ -46,6 +46,11 @@ class FakeAccelerator:
 
     def end_training(self):
         self.ended += 1
+
+
+class OtherProcessSignalled(FakeAccelerator):
+    def reduce(self, tensor, reduction):  # the sum over 2 processes, the other one signalled
+        return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
 
 
 def checkpoints(folder, *steps):
@@ -118,19 +123,11 @@ def test_a_stop_signal_finishes_the_step_then_every_process_stops(tmp_path, stop
 
 def test_a_non_finite_loss_overrides_a_stop_signal(tmp_path):
     """A signal and a diverged step together: nothing of the step may be saved."""
-    class OtherProcessSignalled(FakeAccelerator):
-        def reduce(self, tensor, reduction):
-            return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
-
     stop = StepGuard(OtherProcessSignalled(), tmp_path).check(torch.tensor(float("nan")), 3)
     assert stop is not None and not stop.saves
 
 
 def test_a_signal_to_another_process_stops_this_one_at_the_same_step(tmp_path):
-    class OtherProcessSignalled(FakeAccelerator):
-        def reduce(self, tensor, reduction):  # the sum over 2 processes, the other one signalled
-            return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
-
     guard = StepGuard(OtherProcessSignalled(), tmp_path)
     stop = guard.check(torch.tensor(2.0), 3)
     assert guard.received is None and stop is not None and stop.saves
@@ -200,15 +197,17 @@ def test_the_normalisation_constants_move_to_the_device_once():
 
 # ------------------------------------------------------------------------------ data wait
 
-def test_data_wait_sums_the_waits_of_an_epoch_and_starts_again():
+def test_data_wait_sums_the_waits_of_an_epoch_and_starts_again(monkeypatch):
+    """A clock the test moves (a loaded machine's sleeps overshoot): 20 ms waits, 30 ms steps."""
+    now = [100.0]
+    monkeypatch.setattr(tracking, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     wait = DataWait(torch.device("cpu"))
     for _ in range(3):
         wait.start()
-        time.sleep(0.02)
+        now[0] += 0.02  # waiting for the batch
         wait.stop()
-        time.sleep(0.03)  # the step: not waiting
-    first = wait.seconds()
-    assert 0.055 < first < 0.09
+        now[0] += 0.03  # the step: not waiting
+    assert wait.seconds() == pytest.approx(0.06)  # the waits alone, not the steps (0.15 in all)
     assert wait.seconds() == 0.0
 
 

@@ -27,6 +27,7 @@ from common.data.sources import check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
 from common.data.synthetic import make_synthetic
 from common.errors import UserError, first_line
+from common.failures import why_not_written
 from common.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,17 @@ def _load_or_build(path: Path, build) -> ImageData:
                         first_line(e))
     data = build()
     cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
+    why = None
     try:
         with atomic_write(path) as f:
-            torch.save(vars(cached), f)
+            try:
+                torch.save(vars(cached), f)
+            except RuntimeError as e:  # torch.save's way of saying the disk is full
+                why = why_not_written(e, path)  # while the partial file still takes its space
+                raise
     except (OSError, RuntimeError) as e:
         log.warning("could not write cache file %s (%s); the next run decodes again", path,
-                    first_line(e))
+                    why or why_not_written(e, path))
         return data
     return cached
 
