@@ -59,8 +59,8 @@ def test_label_smoothing_is_the_loss_trained_on(tmp_path):
     plain = F.cross_entropy(logits, data.train_labels).item()
     logged = records(out)[1]["train_loss"]
     # The same logits without smoothing give a loss about 0.05 away (a large first step, --lr 1, makes the
-    # predictions far from uniform); rounding (channels_last there, not here) a few 1e-6.
-    assert abs(logged - smoothed) < 1e-3 * abs(plain - smoothed), (logged, smoothed, plain)
+    # predictions far from uniform); rounding (channels_last there, not here) moves it a few 1e-6.
+    assert abs(logged - smoothed) < 0.01 * abs(plain - smoothed), (logged, smoothed, plain)
 
 
 # One optimizer step of two accumulated micro-batches of 32 (64 images, --grad-accum 2), at a constant lr
