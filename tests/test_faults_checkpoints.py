@@ -26,7 +26,6 @@ from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
 from common.errors import UserError
-from common.run_lock import RunLock
 from common.run_record import unwritten_metrics, write_config, write_metrics
 
 BIN = Path(sys.executable).parent
@@ -161,26 +160,17 @@ def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(co
     assert digest(copy) == before
 
 
-def test_a_manifest_listing_nothing_is_damaged(copy):
-    from common.run_folder import lock_run_and_find_resume
-
-    class MainProcess:
-        is_main_process = True
-
-        def wait_for_everyone(self):
-            pass
-
+def test_a_manifest_listing_nothing_is_damaged(base, copy):
+    """checkpoint.json rewritten to list no file: the checkpoint is damaged, not empty; the resume
+    falls back to the one before and ends with the uninterrupted run's weights."""
     newest = copy / "checkpoints" / step(8)
     (newest / "checkpoint.json").write_text('{"step": 8, "files": {}}')
     assert checkpoint_problem(newest) == "checkpoint.json does not list custom_checkpoint_0.pkl"
-    try:
-        with pytest.raises(UserError) as error:
-            lock_run_and_find_resume(MainProcess(), str(copy), str(newest), "train_single.py")
-        assert error.value.message == (f"--resume {newest}: the checkpoint is damaged (checkpoint.json does not "
-                                       f"list custom_checkpoint_0.pkl); pass a complete one, or --resume alone "
-                                       f"for the newest complete checkpoint of --output-dir")
-    finally:
-        RunLock._release_all()
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
+    assert diagnostics(done.stderr) == [
+        f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list custom_checkpoint_0.pkl): "
+        f"resuming from {copy}/checkpoints/{step(6)}, the newest complete one"]
+    assert same_weights(weights(copy), weights(base))
 
 
 # ------------------------------------------------------------------------------ a run's record

@@ -19,6 +19,7 @@ script: one line and nothing written where it must be refused, a finished run wh
 """
 
 import json
+import shutil
 import os
 import re
 import shlex
@@ -334,3 +335,24 @@ def test_a_folder_flag_on_a_read_only_mount_is_one_line(flag, read_only_home, tm
         f"error: {flag} {folder}: must be a folder you can write in, but {read_only_home} is not writable; "
         f"choose another {flag}"], done.stderr
     assert not (tmp_path / "run").exists() and list(read_only_home.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["one level above", "no evaluation split"])
+def test_a_data_dir_that_is_not_the_data_is_refused_and_the_advice_trains(case, tmp_path):
+    """DIR holding only the dataset's folder, and a folder with train/ alone: one line with what to
+    pass, nothing written; passing it trains."""
+    if case == "one level above":
+        root = tmp_path / "data"
+        image_folder(root / "flowers", ["cat", "dog"])
+        message = f"error: --data-dir {root} holds one folder, flowers, with the data in it: pass --data-dir {root}/flowers"
+        advice = ["--data-dir", root / "flowers"]
+    else:
+        root = image_folder(tmp_path / "data", ["cat", "dog"])
+        shutil.rmtree(root / "test")
+        message = (f"error: image folder {root} (no test/, val/ or validation/ folder of class folders) has no labelled "
+                   f"evaluation split; pass --val-fraction 0.1 to evaluate on a share of train")
+        advice = ["--data-dir", root, "--val-fraction", "0.1"]
+    out, done = train(tmp_path, "--data-dir", root, *STEP)
+    assert refused(done, out) == message and not out.exists()
+    out, done = train(tmp_path, *STEP, *advice)
+    assert done.returncode == 0 and (out / "model.safetensors").is_file(), done.stderr
