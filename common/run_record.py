@@ -49,8 +49,9 @@ SAME_ON_RESUME = ("classes", "image_size", "normalization", "train_size", "loade
 
 def _precision(config: dict) -> str:
     """The mixed precision a run trains in: train_amp.py records it; earlier versions of train_dp.py
-    had it as a flag; every other run is fp32 ("no")."""
-    return config.get("mixed_precision") or config.get("args", {}).get("mixed_precision") or "no"
+    had it as a flag; every other run is fp32 (Accelerate's "no")."""
+    precision = config.get("mixed_precision") or config.get("args", {}).get("mixed_precision")
+    return "fp32" if precision in (None, "no") else precision
 
 
 def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> None:
@@ -67,12 +68,13 @@ def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> 
     for key, value in config["args"].items():
         if key not in resumable and key in saved_flags and saved_flags[key] != value:
             flag = "--" + key.replace("_", "-")
-            now, then = ("not set" if v is None else repr(v) for v in (value, saved_flags[key]))
-            raise UserError(f"--resume: {flag} is {now} but the run in {output_dir} used {then}; "
-                            f"resume with the same {flag} or start a new run")
+            now, then = (f"{flag} {v!r}" if v is not None else f"no {flag}"
+                         for v in (value, saved_flags[key]))
+            raise UserError(f"--resume: this run has {now} but the run in {output_dir} had {then}; "
+                            f"resume with the flags of that run, or start a new run")
     if _precision(saved) != _precision(config):
-        raise UserError(f"--resume: the run in {output_dir} trained in mixed precision "
-                        f"{_precision(saved)} but this one would train in {_precision(config)}; "
+        raise UserError(f"--resume: the run in {output_dir} trained in {_precision(saved)} but "
+                        f"this one would train in {_precision(config)}; "
                         f"resume with the script and precision of that run, or start a new run")
     for key in SAME_ON_RESUME:
         if key in saved and key in config and saved[key] != config[key]:

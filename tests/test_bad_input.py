@@ -98,8 +98,9 @@ CASES = {
     "--resume a checkpoint of another model": (python("train_single.py"),
                                                [*SMALL, "--output-dir", "{tmp}/old", "--resume"],
                                                lambda t: make_run(t / "old", model="resnet32"),
-                                               "error: --resume: --model is 'resnet20' but the run in {tmp}/old "
-                                               "used 'resnet32'"),
+                                               "error: --resume: this run has --model 'resnet20' but the run in "
+                                               "{tmp}/old had --model 'resnet32'; resume with the flags of that run, "
+                                               "or start a new run"),
     "--resume a checkpoint that does not load": (python("train_single.py"),
                                                  [*SMALL, "--output-dir", "{tmp}/old", "--resume"],
                                                  lambda t: (make_run(t / "old"), (  # and no checkpoint.json

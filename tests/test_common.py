@@ -206,18 +206,18 @@ def test_resume_is_refused_for_another_experiment(tmp_path):
     same = {"args": {"model": "resnet20", "mixed_precision": None, "output_dir": "x"}, "mixed_precision": "bf16",
             "classes": ["a", "b"]}
     check_resume_config(checkpoint, same, resumable={"output_dir"})
-    with pytest.raises(UserError, match="--model is 'resnet32' but the run in .* used 'resnet20'"):
+    with pytest.raises(UserError, match="this run has --model 'resnet32' but the run in .* had --model 'resnet20'"):
         check_resume_config(checkpoint, {**same, "args": {**same["args"], "model": "resnet32"}}, {"output_dir"})
     # The precision the Accelerate config chose, not only the flag; a train_single run is fp32.
-    with pytest.raises(UserError, match="trained in mixed precision bf16 but this one would train in fp16"):
+    with pytest.raises(UserError, match="trained in bf16 but this one would train in fp16"):
         check_resume_config(checkpoint, {**same, "mixed_precision": "fp16"}, {"output_dir"})
-    with pytest.raises(UserError, match="trained in mixed precision bf16 but this one would train in no"):
+    with pytest.raises(UserError, match="trained in bf16 but this one would train in fp32"):
         check_resume_config(checkpoint, {"args": {"model": "resnet20"}, "classes": ["a", "b"]}, {"output_dir"})
     with pytest.raises(UserError, match=r"classes would be \['a', 'c'\] but the run in .* had \['a', 'b'\]"):
         check_resume_config(checkpoint, {**same, "classes": ["a", "c"]}, {"output_dir"})
     # Earlier versions of train_dp.py recorded their precision as a flag.
     old_dp = write_run(tmp_path / "dp", {"model": "resnet20", "mixed_precision": "fp16"})
-    with pytest.raises(UserError, match="trained in mixed precision fp16 but this one would train in no"):
+    with pytest.raises(UserError, match="trained in fp16 but this one would train in fp32"):
         check_resume_config(old_dp, {"args": {"model": "resnet20"}}, set())
     check_resume_config(write_run(tmp_path / "fp32", {"model": "resnet20", "mixed_precision": "no"}),
                         {"args": {"model": "resnet20"}}, set())

@@ -275,6 +275,24 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume_with_ne
     assert "done: step 16" in done.stdout  # 256 images at batch 32, 2 epochs
 
 
+def test_resume_in_another_precision_or_with_other_flags_is_one_line(copy, tmp_path):
+    """The checkpoint of a fp32 run resumed by train_amp.py in bf16, or with another --image-size: one
+    line naming both, nothing changed."""
+    (copy / "model.safetensors").unlink()  # stopped after step 8, say
+    before = digest(copy)
+    done = run("train_amp.py", *FLAGS, "--output-dir", copy, "--resume", "--mixed-precision", "bf16",
+               check=False, cwd=tmp_path)
+    assert done.returncode == 1 and diagnostics(done.stderr) == [
+        f"error: --resume: the run in {copy} trained in fp32 but this one would train in bf16; resume with the "
+        f"script and precision of that run, or start a new run"]
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", "--image-size", "40", check=False,
+               cwd=tmp_path)
+    assert done.returncode == 1 and diagnostics(done.stderr) == [
+        f"error: --resume: this run has --image-size 40 but the run in {copy} had no --image-size; resume with "
+        f"the flags of that run, or start a new run"]
+    assert digest(copy) == before
+
+
 def test_weights_that_are_not_finite_are_not_written(copy):
     """A checkpoint that holds an inf (digests rewritten: it was trained in, not damaged since)."""
     newest = copy / "checkpoints" / step(8)
