@@ -7,11 +7,14 @@
 - A run stopped mid-epoch and resumed from a --checkpoint-every checkpoint (taken while the workers
   had batches prefetched) ends bit for bit where the uninterrupted run ends.
 - Memory does not grow with the data: 2,000 and 20,000 JPEGs (96px) train with the same peak memory
-  in the main process and in each worker; the 20,000 decoded would take 553 MB.
+  in the main process and in each worker; the 20,000 decoded would take 553 MB. The evaluation
+  reads 1% of them (448px), so a worker that kept what it read would grow by 54 MB.
 - torchvision:resnet50 at 224px trains through workers on JPEGs of mixed sizes, and evaluate.py on
-  its model.safetensors, through workers too, reproduces the logged accuracy.
-- evaluate.py on a --val-fraction run evaluates the split the run carved (count, seed, accuracy),
-  with no --val-fraction or --seed of its own, through the other loader (device).
+  its model.safetensors, through workers too, evaluates the 6 val/ images cut and normalised as
+  made here with torchvision, and counts, class by class, what a count made here finds.
+- evaluate.py on a --val-fraction run evaluates the files the run held out (the same 24, where
+  another seed holds out others), with no --val-fraction or --seed of its own, through the other
+  loader (device); weights that have learnt, counted again here class by class.
 """
 
 import json
@@ -20,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -27,7 +31,11 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from helpers import ROOT, run, user_env, weights
-from torchvision.io import encode_jpeg
+from probe_counts import learnt, metadata, per_class, predictions, printed_per_class
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torchvision.io import ImageReadMode, decode_image, encode_jpeg
+from torchvision.transforms import v2
 
 from common.models import build_model
 
@@ -36,6 +44,7 @@ ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "ac
               "--num_processes", "2")
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 WORKERS = ["--loader", "workers", "--report-to", "none"]
+HELD_OUT = str(ROOT / "tests" / "probe_heldout.py")  # records the images a model was evaluated on
 
 
 def image_folder(root: Path, train: int, val: int, classes: int, sizes=((32, 32),), variants: int = 8) -> Path:
@@ -195,13 +204,18 @@ def peak_memory(args, cwd: Path, interval: float = 0.05) -> dict:
 
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
-    """Peaks of 5 steps on 2,000 and on 20,000 JPEGs of 96px (each with the same 60 validation images).
-    The main process's high-water mark, sampled every 2 s, rises over the first 3 or 4 steps and
-    stays nearly flat after."""
+    """Peaks of 5 steps on 2,000 and on 20,000 JPEGs, 99% of them training images of 96px, 1% validation
+    images of 448px (20 and 200: the evaluation reads them all, its 2 workers 10 and 100 each). Decoded, a
+    448px image is 602 KB: a worker that kept each image it read would hold 54 MB more with 20,000
+    (90 more images), where 5 training steps read 160 images of 28 KB, the same in both runs. The
+    evaluation resizes them to 96px: 180 more images of the model's work, a few seconds. The main
+    process's high-water mark, sampled every 2 s, rises over the first 3 or 4 steps and stays nearly
+    flat after."""
     peaks = {}
     for count in (2_000, 20_000):
         where = tmp_path_factory.mktemp(f"memory{count}")
-        root = image_folder(where / "data", train=count - 60, val=60, classes=10, sizes=((96, 96),))
+        root = image_folder(where / "data", train=count - count // 100, val=0, classes=10, sizes=((96, 96),))
+        image_folder(root, train=0, val=count // 100, classes=10, sizes=((448, 448),))
         peaks[count] = peak_memory(["--data-dir", root, "--image-size", 96, "--model", "resnet20", "--batch-size", 32,
                                     "--epochs", 1, "--max-steps", 5, *WORKERS, "--workers", 2,
                                     "--output-dir", where / "run"], where)
@@ -215,7 +229,7 @@ def test_main_process_memory_does_not_grow_with_the_number_of_images(memory):
     small, large = memory[2_000], memory[20_000]
     assert "loader workers, 2 workers per process" in large["log"]
     # Before training (the file list, the 1,000 images decoded for the normalisation, the model): 1,183
-    # and 1,187 MB in each of 3 runs, within 0.1 MB; 4 MB for 17,940 more file names. 20 MB is 4% of
+    # and 1,187 MB in each of 3 runs, within 0.1 MB; 4 MB for 17,820 more file names. 20 MB is 4% of
     # the 553 MB that the 20,000 images take decoded.
     assert large["setup"] < small["setup"] + 20, (small["setup"], large["setup"])
     # The whole run's peak, 1.5-1.7 GB with the activations of a batch of 32 at 96px, moves with the
@@ -232,7 +246,7 @@ def test_worker_memory_does_not_grow_with_the_number_of_images(memory):
     report = {"2000": small["workers"], "20000": large["workers"], "2000 private": small["workers_private"],
               "20000 private": large["workers_private"]}
     # A worker's resident memory is mostly pages it shares with the main process, forked with them:
-    # the training workers' (the first two) grew by 3.5 MB (the 17,940 more file names); the evaluation
+    # the training workers' (the first two) grew by 3.5 MB (the 17,820 more file names); the evaluation
     # workers', forked later from a larger main process, vary with it. Its private memory (USS,
     # about 10 MB) is all a worker adds.
     assert max(large["workers"][:2]) < max(small["workers"][:2]) + 20, report
@@ -266,32 +280,107 @@ def test_resnet50_at_224_trains_through_workers(resnet50_run):
 
 def test_evaluate_reproduces_the_resnet50_accuracy_through_workers(resnet50_run):
     out, data, where = resnet50_run
-    logged = last_metrics(out)
-    done = run("evaluate.py", "--weights", out / "model.safetensors", *data, "--loader", "workers", cwd=where)
-    accuracy, correct, total = evaluated(done)
-    assert (correct, total) == (round(logged["test_acc"] * 6), 6) and accuracy == round(logged["test_acc"], 4)
+    weights_file, logged = out / "model.safetensors", last_metrics(out)
+    done = run("evaluate.py", "--weights", weights_file, *data, "--loader", "workers", cwd=where,
+               launcher=(sys.executable, HELD_OUT), env_extra={"PROBE_FILE": str(where / "evaluated.pt")})
+    # What the model got is each of the 6 val/ images, cut to 224px and normalised as done here with
+    # torchvision: neither training images nor another crop. A few steps of ResNet-50 from scratch
+    # predict one class for all (8 steps at the scaled lr, 4 at an unscaled 0.1), so the
+    # count alone would not tell the images apart: the inputs do.
+    files = evaluated_images(where / "evaluated.pt", weights_file, data[1] / "val", 224)
+    assert sorted(files) == sorted(data[1].glob("val/*/*.jpg")), files
+    counts = counted_here(weights_file, files, 224)  # without common.evaluation
+    correct = sum(c for c, _ in counts)
+    assert evaluated(done) == (round(correct / 6, 4), correct, 6) and printed_per_class(done.stdout) == counts
+    assert logged["test_acc"] == correct / 6
+
+
+def view(path: Path, size: int) -> torch.Tensor:
+    """The evaluation view of an image file, made here with torchvision: decoded, the shorter side
+    resized to ``size`` and the centre square cut (an image of that size as it is)."""
+    image = decode_image(str(path), mode=ImageReadMode.RGB)
+    if image.shape[-2:] != (size, size):
+        image = v2.functional.center_crop(v2.functional.resize(image, size, antialias=True), [size, size])
+    return image
+
+
+def evaluated_images(probe_file: Path, weights_file: Path, folder: Path, size: int) -> list[Path]:
+    """The files under ``folder`` of the images a model was evaluated on, as tests/probe_heldout.py
+    recorded them: each input turned back into uint8 with the run's normalisation and looked up among
+    the views of the folder's images made here; an input that is none of them (another file, crop or
+    normalisation) fails the test."""
+    stored = metadata(weights_file)
+    mean, std = (torch.tensor(stored["normalization"][k])[:, None, None] for k in ("mean", "std"))
+    views = {view(path, size).numpy().tobytes(): path for path in sorted(folder.rglob("*.jpg"))}
+    found = []
+    for x in (x for batch in torch.load(probe_file) for x in batch):
+        image = (x * std + mean).round().clamp(0, 255).to(torch.uint8).numpy().tobytes()
+        if image not in views:
+            pytest.fail(f"evaluated image {len(found)} is no {size}px view of an image of {folder}")
+        found.append(views[image])
+    return found
+
+
+def counted_here(weights_file: Path, files: list[Path], size: int) -> list[tuple[int, int]]:
+    """(correct, total) of each class on ``files``, counted without common.evaluation or common.data:
+    their views, labelled by their class folder, through tests/probe_counts.py."""
+    classes = metadata(weights_file)["classes"]
+    labels = torch.tensor([classes.index(path.parent.name) for path in files])
+    images = torch.stack([view(path, size) for path in files])
+    return per_class(predictions(weights_file, images), labels, len(classes))
 
 
 @pytest.fixture(scope="module")
 def val_fraction_run(tmp_path_factory):
-    """A train/-only folder of 120 images; --val-fraction 0.2 with --seed 3 carves 6 of each class's 30."""
+    """A train/-only folder of 120 images, each its own (a class colour with its own noise);
+    --val-fraction 0.2 with --seed 3 carves 6 of each class's 30. 12 steps of 8: weights that have
+    learnt (2 steps predicted one class for all, so any 24 images gave the same accuracy). The images
+    the run evaluated are recorded (tests/probe_heldout.py)."""
     where = tmp_path_factory.mktemp("val-fraction")
     root = image_folder(where / "data", train=120, val=0, classes=4, variants=30)
     out = where / "run"
     run("train_single.py", "--data-dir", root, "--val-fraction", 0.2, "--seed", 3, "--model", "resnet20",
-        "--batch-size", 32, "--epochs", 1, "--max-steps", 2, *WORKERS, "--workers", 2, "--output-dir", out, cwd=where)
+        "--batch-size", 8, "--reference-batch-size", 32, "--warmup-epochs", 0, "--epochs", 1, *WORKERS,
+        "--workers", 2, "--output-dir", out, cwd=where, launcher=(sys.executable, HELD_OUT),
+        env_extra={"PROBE_FILE": str(where / "trained.pt")})
     return out, root, where
 
 
 def test_evaluate_finds_the_carved_split(val_fraction_run):
     out, root, where = val_fraction_run
+    weights_file = out / "model.safetensors"
     config, logged = json.loads((out / "config.json").read_text()), last_metrics(out)
     assert config["test_size"] == logged["test_images"] == 24 and config["train_size"] == 96
+    held_out = evaluated_images(where / "trained.pt", weights_file, root, 32)
+    assert len(held_out) == len(set(held_out)) == 24, held_out
+    assert Counter(path.parent.name for path in held_out) == {f"class{c}": 6 for c in range(4)}
+
     # No --val-fraction and no --seed: the weights say which split the run carved. Through the
     # device loader, the split is carved from the decoded tensors (common.data.carve.carve_decoded),
-    # not from the file list as in training (carve).
-    done = run("evaluate.py", "--weights", out / "model.safetensors", "--data-dir", root, "--loader", "device",
-               cwd=where)
-    accuracy, correct, total = evaluated(done)
-    assert total == config["test_size"] and correct == round(logged["test_acc"] * total)
+    # not from the file list as in training (carve): the same 24 files.
+    def evaluate(weights_file, probe_file):
+        done = run("evaluate.py", "--weights", weights_file, "--data-dir", root, "--loader", "device", cwd=where,
+                   launcher=(sys.executable, HELD_OUT), env_extra={"PROBE_FILE": str(probe_file)})
+        return done, evaluated_images(probe_file, weights_file, root, 32)
+
+    done, names = evaluate(weights_file, where / "evaluated.pt")
     assert "evaluated on 0.2 of train (--val-fraction, seed 3)" in done.stdout.splitlines()[0]
+    assert sorted(names) == sorted(held_out)
+    # The count, class by class, made here on those files with plain torch.
+    counts = counted_here(weights_file, held_out, 32)
+    assert learnt(counts), counts
+    correct = sum(c for c, _ in counts)
+    assert evaluated(done) == (round(correct / 24, 4), correct, 24) and printed_per_class(done.stdout) == counts
+    assert logged["test_acc"] == correct / 24
+
+    # Negative control: the same weights saying seed 4 are evaluated on 24 other files, 6 a class,
+    # which the comparison above tells apart.
+    other_seed = where / "seed4.safetensors"
+    with safe_open(str(weights_file), "pt") as f:
+        stored = f.metadata()
+    save_file(load_file(str(weights_file)), str(other_seed),
+              {**stored, "eval_split": json.dumps({"val_fraction": 0.2, "seed": 4})})
+    done, names = evaluate(other_seed, where / "seed4.pt")
+    assert "(--val-fraction, seed 4)" in done.stdout.splitlines()[0] and evaluated(done)[2] == 24
+    assert Counter(path.parent.name for path in names) == {f"class{c}": 6 for c in range(4)}
+    assert sorted(names) != sorted(held_out)
