@@ -100,9 +100,11 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
 
 
 def _state_files(checkpoint: Path) -> list[str]:
-    """The files of a checkpoint folder but its list, as the list names them."""
+    """The files of a checkpoint folder but its list, as the list names them; in its subfolders
+    (FSDP's sharded pytorch_model_fsdp_0/, optimizer_0/) hidden ones too: DCP's .metadata."""
     return [p.relative_to(checkpoint).as_posix() for p in sorted(checkpoint.rglob("*"))
-            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")]
+            if p.is_file() and p.name != MANIFEST
+            and not (p.name.startswith(".") and p.parent == checkpoint)]
 
 
 def file_crc32(path: Path) -> str:

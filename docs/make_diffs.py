@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # script: the script it builds on
-BASES = {"train_dp": "train_single", "train_ddp": "train_single", "train_amp": "train_ddp"}
+BASES = {"train_dp": "train_single", "train_ddp": "train_single", "train_amp": "train_ddp",
+         "train_fsdp": "train_ddp"}
 
 
 def unified_diff(base: str, script: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, user_env
 
-TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp"]
+TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp", "train_fsdp"]
 MAX_MODULE_LINES = 400
 README = (ROOT / "README.md").read_text()
 
@@ -89,16 +89,19 @@ def test_imports_among_the_modules_flow_one_way():
 
 
 def test_each_script_reaches_what_it_needs_and_a_ddp_copier_takes_no_data_parallel_code():
+    """common/data_parallel.py is train_dp.py's alone, common/sharding.py train_fsdp.py's alone."""
     modules = set(common_modules()) - {"common"}
     reach = {script: reached(ROOT / "scripts" / f"{script}.py") - {"common"} for script in TRAINING}
     evaluation = reached(ROOT / "scripts" / "evaluate.py")
     assert set().union(*reach.values(), evaluation) >= modules, \
         f"used by no training script: {sorted(modules - set().union(*reach.values()))}"
-    assert modules - reach["train_dp"] == set(), sorted(modules - reach["train_dp"])
-    for script in ("train_single", "train_ddp", "train_amp"):
-        assert modules - reach[script] == {"common.data_parallel"}, (script, sorted(modules - reach[script]))
+    own = {"train_dp": {"common.data_parallel"}, "train_fsdp": {"common.sharding"}}
+    for script in TRAINING:
+        unused = set().union(*(mine for other, mine in own.items() if other != script))
+        assert modules - reach[script] == unused, (script, sorted(modules - reach[script]))
     # The README says so, and that the other modules are all needed: the whole folder is copied.
     assert "`common/data_parallel.py` is `train_dp.py`'s\nalone" in README
+    assert "`common/sharding.py` `train_fsdp.py`'s" in README
 
 
 def test_only_the_benchmark_and_the_machine_check_use_bench():

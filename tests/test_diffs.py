@@ -13,8 +13,8 @@ import make_diffs  # noqa: E402 - docs/ is not a package
 
 # script: (the script it builds on, its tag, the most code lines its diff may change)
 PAIRS = {"train_dp": ("train_single", "DP", 45), "train_ddp": ("train_single", "DDP", 35),
-         "train_amp": ("train_ddp", "AMP", 25)}
-TAGS = ("DP", "DDP", "AMP")
+         "train_amp": ("train_ddp", "AMP", 25), "train_fsdp": ("train_ddp", "FSDP", 45)}
+TAGS = ("DP", "DDP", "AMP", "FSDP")
 
 
 @pytest.mark.parametrize("script", PAIRS)

@@ -15,10 +15,11 @@ from helpers import ROOT
 
 from common.cli import Parser
 
-TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp"]
+TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp", "train_fsdp"]
 # What each script adds to the shared flags: its strategy's own, and nothing else.
 OWN_FLAGS = {"train_single": set(), "train_dp": {"--loss-in-replicas"}, "train_ddp": {"--sync-bn", "--dist-timeout"},
-             "train_amp": {"--sync-bn", "--dist-timeout", "--mixed-precision"}}
+             "train_amp": {"--sync-bn", "--dist-timeout", "--mixed-precision"},
+             "train_fsdp": {"--sync-bn", "--dist-timeout"}}  # --sync-bn there: refused, in one line
 
 
 PARSE = Parser.parse_args
@@ -63,8 +64,9 @@ def test_a_script_adds_only_its_strategy_flags(parsers, script):
 
 
 def test_flags_added_by_two_scripts_agree(parsers):
-    for option in OWN_FLAGS["train_ddp"]:  # train_amp.py is train_ddp.py + AMP: its DDP flags are DDP's
-        assert parsers["train_amp"][option] == parsers["train_ddp"][option], option
+    for option in OWN_FLAGS["train_ddp"]:  # train_amp.py and train_fsdp.py build on train_ddp.py
+        for script in ("train_amp", "train_fsdp"):
+            assert parsers[script][option] == parsers["train_ddp"][option], (script, option)
 
 
 def test_evaluate_reads_the_data_with_the_training_flags(parsers):

@@ -1,0 +1,89 @@
+"""FSDP2 through Accelerate for image classifiers: what train_fsdp.py needs beyond train_ddp.py.
+
+- ``check_sharding``: the run really shards. Without GPUs Accelerate drops the FSDP plugin without
+  a word (accelerate/state.py sets DistributedType.FSDP only for GPU-family devices) and wraps the
+  model in DDP; a script that says it shards must then refuse.
+- ``wrap_each_block``: each of the model's residual blocks its own FSDP unit. Accelerate's
+  default (NO_WRAP) makes the whole model one unit, gathered whole for every forward: no memory
+  saved.
+- ``average_buffers``: BatchNorm's running statistics averaged over the processes. FSDP2 shards
+  parameters only; buffers stay per process and, unlike DDP, nothing syncs them.
+- ``gathered_model``: the full weights in a plain model on the main process, for model.safetensors.
+"""
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
+
+from common.errors import UserError
+from common.models import build_model
+
+# The repeated blocks of the models --model takes: ours and torchvision's ResNets (BasicBlock,
+# Bottleneck), and torchvision's other classifiers (MobileNets, ShuffleNet, EfficientNets,
+# ConvNeXt, RegNet, ViT, Swin, MaxViT, DenseNet, MNASNet).
+BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv", "CNBlock",
+          "ResBottleneckBlock", "EncoderBlock", "SwinTransformerBlock", "SwinTransformerBlockV2",
+          "MaxVitBlock", "_DenseLayer", "_InvertedResidual")
+
+
+def check_sharding(accelerator, sync_bn: bool) -> None:
+    """Refuse a run that would not shard, or --sync-bn (a UserError; call it through
+    common.failures.refused_together for one line on N processes)."""
+    if sync_bn:
+        raise UserError("--sync-bn is train_ddp.py's: under FSDP2 each process normalises its own "
+                        "slice and the running statistics are averaged over the processes every "
+                        "step; drop --sync-bn, or train with train_ddp.py --sync-bn")
+    if accelerator.distributed_type != DistributedType.FSDP:
+        raise UserError(
+            f"train_fsdp.py shards over GPUs only, and Accelerate runs this launch as "
+            f"{accelerator.distributed_type.value} on {accelerator.num_processes} x "
+            f"{accelerator.device.type} (without GPUs it drops the FSDP plugin and would run DDP): "
+            f"launch it on 2 or more GPUs (accelerate launch --config_file "
+            f"accelerate_configs/4gpu_fsdp.yaml), or use train_ddp.py on this machine")
+
+
+def wrap_each_block(accelerator, model: torch.nn.Module, name: str) -> None:
+    """Make each of the BLOCKS ``model`` (--model ``name``) is made of an FSDP unit of its own, when
+    ``prepare`` shards it, under the plugin's auto_wrap_policy="transformer_based_wrap": the
+    classes are named (Accelerate refuses a name the model lacks, so only those found are)."""
+    found = sorted({type(m).__name__ for m in model.modules()} & set(BLOCKS))
+    if not found:
+        raise UserError(f"--model {name} has no block train_fsdp.py knows how to shard one by one "
+                        f"({', '.join(BLOCKS)}); sharded as one unit it would save no memory: "
+                        f"add its repeated block's class name to BLOCKS in common/sharding.py")
+    accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = found  # read by prepare()
+
+
+@torch.no_grad()
+def average_buffers(accelerator, model: torch.nn.Module) -> None:
+    """Every floating-point buffer (BatchNorm's running mean and variance) set to its mean over the
+    processes, in one all-reduce per dtype. The running statistics are linear in the batches'
+    statistics, so averaging every step gives what one average at the end would (up to rounding),
+    and every process evaluates and saves the same buffers (a sharded checkpoint stores the main
+    process's only)."""
+    if accelerator.num_processes == 1:
+        return
+    by_dtype = {}
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.all_reduce(flat)  # a sum: gloo has no average
+        flat /= accelerator.num_processes
+        torch._foreach_copy_(buffers, [f.view_as(b) for f, b in zip(
+            flat.split([b.numel() for b in buffers]), buffers)])
+
+
+def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.Module | None:
+    """A plain ``build_model(name, num_classes)`` holding the full weights of the sharded ``model``
+    on the main process (None on the others), for common.weights.save_final_weights. A
+    collective: every process must call it (Accelerate's get_state_dict all-gathers every shard;
+    only the main process receives them, on the CPU)."""
+    state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return None
+    with torch.device("meta"):  # no memory, no initialisation: the gathered tensors are taken
+        plain = build_model(name, num_classes)
+    plain.load_state_dict(state, assign=True)
+    return plain

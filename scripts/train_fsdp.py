@@ -1,0 +1,246 @@
+"""Sharded data parallelism (FSDP2) through Accelerate: train_ddp.py + FSDP2.
+
+DDP keeps a whole copy of the weights, their gradients and the optimizer's state on every GPU.
+FSDP2 (torch's fully_shard) cuts each of them into one slice per process: a process holds 1/N of
+them, gathers a residual block's full weights just before the block runs (forward and backward)
+and frees them after it, and reduce-scatters the gradients so that each process steps its own
+slice. What does not fit one GPU under DDP then fits N. The price: an all-gather of the weights
+in the forward and again in the backward, and a reduce-scatter, about 1.5x DDP's traffic, so on a
+model that fits (ResNet-18 fits any GPU many times over) DDP is faster. Changes from train_ddp.py,
+each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
+
+- Accelerate's FSDP plugin (fsdp_version=2), one unit per residual block (BasicBlock, Bottleneck,
+  ...: common/sharding.py): the default, one unit for the whole model, gathers it whole and saves
+  no memory. Sharded checkpoints: each process writes its slice (pytorch_model_fsdp_0/,
+  optimizer_0/), --resume reads them back;
+- a refusal where it would not shard: without GPUs Accelerate drops the plugin without a word and
+  runs DDP (and `accelerate launch --cpu --use_fsdp` is refused), so this script says so in one
+  line instead. --sync-bn is refused too (train_ddp.py's);
+- the optimizer built from the plain model and prepared with it in one call (Accelerate swaps its
+  parameters for the shards); the same seed on every process before the model is built, since
+  FSDP2 does not broadcast rank 0's initial weights (train_ddp.py seeds the same way);
+- BatchNorm's running statistics averaged over the processes after every step: FSDP2 shards
+  parameters only and, unlike DDP, never syncs buffers;
+- model.safetensors from the full weights, gathered from every process (a collective), so
+  evaluate.py reads it as any other script's. Objects registered for checkpointing (the run's
+  progress) are written by the main process only: they are the same on every process here.
+
+fp32 only, like train_ddp.py. Mixed precision under FSDP2 needs fp32 parameters and reduction
+(a bf16 parameter policy breaks BatchNorm) and an autocast around the forward and the loss, which
+Accelerate's FSDP2 path does not add: docs/usage.md, "Sharded training (FSDP2)".
+
+Launch (GPUs only; --num_processes overrides the config's count):
+    accelerate launch --config_file accelerate_configs/4gpu_fsdp.yaml scripts/train_fsdp.py \
+        --model resnet50
+    torchrun --nproc_per_node 4 scripts/train_fsdp.py --model resnet50
+Resume: the same command plus --output-dir runs/train_fsdp-... --resume.
+"""
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from tqdm.auto import tqdm
+
+from common.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
+from common.evaluation import evaluate
+from common.failures import refused_together
+from common.inputs import load_inputs
+from common.launch import check_gpus_per_node, check_launch
+from common.models import build_model
+from common.numerics import set_numerics
+from common.optim import build_optimizer, build_scheduler, set_peak_lr
+from common.output import survive_closed_output
+from common.run_folder import lock_run_and_find_resume
+from common.run_record import run_config, write_config
+from common.sharding import average_buffers, check_sharding, gathered_model, wrap_each_block
+from common.step_guard import StepGuard, announce_stop
+from common.tracking import (
+    EpochMeter,
+    StepLogger,
+    peak_memory,
+    record_epoch,
+    start_line,
+    start_tracking,
+)
+from common.weights import save_final_weights
+
+SCRIPT = Path(__file__).stem
+RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
+
+
+def parse_args(argv=None):
+    parser = build_parser(__doc__)
+    parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
+                        help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs only)")
+    parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stall fails the job
+                        help="seconds (10 or more) a process waits for the others in a collective: "
+                             "a stalled one fails the job, not hangs it (default: %(default)s)")
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def set_up(args) -> Accelerator:
+    """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
+    survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
+    check_gpus_per_node()  # DDP: one process per GPU, never more
+    accelerator = Accelerator(
+        log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
+        cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
+        mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
+        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()
+        gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
+        dataloader_config=DataLoaderConfiguration(
+            # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
+            use_seedable_sampler=True, data_seed=args.seed,
+            non_blocking=True, split_batches=True),  # DDP: each process takes a slice
+        # DDP: a process stalled in a collective for --dist-timeout seconds fails the job
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        # FSDP: torch's fully_shard, per block (named below), a checkpoint as a slice per process
+        fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            state_dict_type="SHARDED_STATE_DICT"),
+    )
+    check_launch(accelerator, args.batch_size, args.grad_accum)  # DDP: every process, equal slices
+    # FSDP: without GPUs Accelerate drops the plugin and runs DDP: one line instead
+    refused_together(accelerator, check_sharding, accelerator, args.sync_bn)
+    set_seed(args.seed)  # FSDP: the same weights on every process: FSDP2 does not broadcast them
+    return accelerator
+
+
+def main(args):
+    # ----------------------------------------------------------------------------------- setup
+    accelerator = set_up(args)
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
+    per_device_batch = args.batch_size // accelerator.num_processes // args.grad_accum  # DDP: slice
+    # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
+    output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
+                                                      __file__)
+
+    # ------------------------------------------------------------------------------------ data
+    # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
+    data = load_inputs(data_options(args), accelerator)
+    train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
+
+    # ------------------------------------------------------------- model, optimizer, schedule
+    # refused if it cannot train at this size: one line, on every process at once
+    model = refused_together(accelerator, build_model, args.model, data.num_classes,
+                             data.image_size)
+    # FSDP: one unit per residual block (the default, one for the whole model, saves nothing)
+    refused_together(accelerator, wrap_each_block, accelerator, model, args.model)
+    # FSDP: no channels_last weights (fully_shard refuses them): NHWC batches alone run NHWC convs
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
+    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps, of micro-batches
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
+                                args.warmup_epochs, args.milestones)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # FSDP: the optimizer of the plain model, in the same call: its parameters become the shards
+    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, test_loader, scheduler)
+
+    progress = TrainProgress()  # the run's place and record, saved in every checkpoint
+    accelerator.register_for_checkpointing(progress)
+    config = run_config(vars(args), {
+        "world_size": accelerator.num_processes, "device": str(accelerator.device),
+        "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
+        "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
+    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
+    write_config(accelerator, output_dir, config)
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
+    where = f"{accelerator.num_processes} x {accelerator.device}, sharded"  # FSDP: checked above
+    accelerator.print(start_line(SCRIPT, where, config, data.line, output_dir))
+
+    # ----------------------------------------------------------------------------------- train
+    stop_step = min(total_steps, args.max_steps or total_steps)
+    step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
+    meter = EpochMeter(accelerator.device, args.batch_size)  # the epoch's loss, time, data wait
+    guard = StepGuard(accelerator, output_dir)  # what every process decides after each step
+    guard.install_signal_handlers()  # SIGTERM, SIGUSR1: finish the step, save it, exit 75
+    checkpointer = Checkpointer(accelerator, output_dir, args.checkpoint_every,
+                                args.keep_checkpoints)
+    stop = None  # the stop every process agreed on: a stop signal, or a non-finite loss
+    for epoch in range(progress.epoch, args.epochs):
+        if progress.step >= stop_step or stop:
+            break
+        model.train()
+        train_loader.set_epoch(epoch)  # a new order each epoch, a function of seed and epoch
+        # A mid-epoch resume starts at the first batch not trained on (a new loader only then)
+        skip = progress.batch_in_epoch * args.grad_accum
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        step_loss = 0
+        meter.start()
+        for micro_batch, (images, labels) in enumerate(tqdm(
+                batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                disable=not accelerator.is_main_process), start=progress.step * args.grad_accum):
+            # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first drew.
+            # DDP: and from the process index, so the processes do not flip and crop alike.
+            images = transform.train(images, (args.seed, micro_batch, accelerator.process_index))
+            meter.wait.stop()
+            # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided
+            # by N); the optimizer, schedule and zero_grad act on the N-th only (sync_gradients).
+            with accelerator.accumulate(model):
+                loss = criterion(model(images), labels)
+                accelerator.backward(loss)
+                if args.clip_grad and accelerator.sync_gradients:  # the summed gradients' norm
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip_grad)
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach() / args.grad_accum
+            if not accelerator.sync_gradients:  # a micro-batch of a step still being accumulated
+                meter.wait.start()
+                continue
+            average_buffers(accelerator, model)  # FSDP: BatchNorm's statistics, never synced
+            progress.step += 1
+            progress.batch_in_epoch += 1
+            meter.add(step_loss)
+            # The epoch's last whole optimizer step: micro-batches left over wait for the next.
+            epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
+            # None, a stop signal or a non-finite loss; read a step late on a GPU unless it is saved
+            stop = guard.check(step_loss, progress.step, checkpointer.due(progress.step, epoch_end))
+            step_logger.log(progress.step, step_loss, lr)
+            step_loss = 0
+            # ------------------------------------- the epoch's end: evaluate, record the epoch
+            if epoch_end and (stop is None or stop.saves):
+                epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
+                # DDP: the loss averaged over processes; the time, img/s, the data wait
+                figures = meter.figures(accelerator.reduce(meter.loss_sum, "mean"))
+                result = evaluate(model, test_loader, transform, accelerator, data.num_classes)
+                record_epoch(accelerator, output_dir, progress.history, {
+                    "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
+                    "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,
+                    "test_acc": result.accuracy, "test_images": result.total,
+                    **peak_memory(accelerator)})  # GPUs: each process's peak this epoch
+                if progress.step < stop_step:  # a stop signal that came during the evaluation
+                    stop = guard.signalled()
+            # ---------- the one checkpoint: every --checkpoint-every steps, the epoch's end, a stop
+            checkpointer.save(progress.step, epoch_end, stop)
+            if stop or epoch_end:
+                break
+            meter.wait.start()
+
+    # ------------------------------------------------------------------------------- finish
+    if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
+        return announce_stop(accelerator, stop, progress.step, checkpointer.last)
+    full = gathered_model(accelerator, model, args.model, data.num_classes)  # FSDP: all gather
+    weights = save_final_weights(accelerator, full, output_dir, config, progress.step)
+    final = f", test_acc {progress.history[-1]['test_acc']:.4f}" if progress.history else ""
+    accelerator.print(f"done: step {progress.step}{final} - weights in {weights}")
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,88 @@
+"""Run train_fsdp.py sharded on the CPU, and record what each process holds: a test tool, not a
+feature.
+
+Accelerate enables its FSDP plugin on GPUs only: with ``Accelerator(cpu=True, fsdp_plugin=...)``
+it sets MULTI_CPU and wraps the model in DDP (accelerate/state.py), and train_fsdp.py refuses to
+run. torch's fully_shard itself works on gloo, so here, in the test's processes only, the state
+Accelerate would have set on GPUs is set after the script's Accelerator is made: the distributed
+type FSDP in both shared states (setting it on the accelerator alone reverts) and the script's own
+plugin. Everything after that (prepare, the steps, save_state, load_state, get_state_dict) is
+Accelerate's and torch's FSDP2 code, unchanged.
+
+    accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 \
+        tests/probe_fsdp.py scripts/train_fsdp.py ARGS...
+
+With $PROBE_FILE set, each process writes $PROBE_FILE.<rank> (JSON) at exit: the bytes of the
+parameters and of the optimizer's state it holds (a DTensor's local shard; a plain tensor whole),
+the bytes of the full parameters, the classes that are FSDP units, and the sum of its floating-point
+buffers. Without a plugin (train_ddp.py) it only records.
+"""
+
+import atexit
+import json
+import os
+import runpy
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+_init, _prepare = Accelerator.__init__, Accelerator.prepare
+prepared = {}
+
+
+def _sharded_on_cpu(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is not None:
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.state.fsdp_plugin = plugin
+
+
+def _recorded_prepare(self, *args, **kwargs):
+    result = _prepare(self, *args, **kwargs)
+    for obj in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(obj, torch.nn.Module):
+            prepared["model"] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            prepared["optimizer"] = obj
+    return result
+
+
+def held(tensor) -> int:
+    """Bytes this process holds of ``tensor``: its local shard if it is a DTensor."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _write():
+    if "PROBE_FILE" not in os.environ or "model" not in prepared:
+        return
+    model, optimizer = prepared["model"], prepared["optimizer"]
+    params = list(model.parameters())
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    record = {
+        "param_bytes": sum(held(p) for p in params),
+        "param_full_bytes": sum(p.numel() * p.element_size() for p in params),
+        "optimizer_bytes": sum(held(t) for t in states),
+        "optimizer_tensors": len(states),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        "params": len(params),
+        "units": sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)),
+        "buffer_sum": sum(b.double().sum().item() for b in model.buffers() if b.is_floating_point()),
+    }
+    with open(f"{os.environ['PROBE_FILE']}.{os.environ.get('RANK', '0')}", "w") as f:
+        json.dump(record, f)
+
+
+Accelerator.__init__ = _sharded_on_cpu
+Accelerator.prepare = _recorded_prepare
+atexit.register(_write)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,148 @@
+"""train_fsdp.py: FSDP2 through Accelerate on 2 gloo CPU processes, against train_ddp.py.
+
+Accelerate enables FSDP on GPUs only, so the script refuses on this machine (tested below as a user
+meets it). The runs that train go through tests/probe_fsdp.py, which sets, in the test's processes
+only, the state Accelerate sets on GPUs; prepare, the sharded steps, save_state, load_state and the
+gathered state dict are then Accelerate's and torch's FSDP2 code. One FSDP2 run and one DDP run of
+the same flags (started together) serve every test.
+"""
+
+import json
+import re
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, run, weights
+
+from common.checkpoints import MANIFEST, checkpoint_problem
+
+BIN = Path(sys.executable).parent
+ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
+              "--num_processes", "2")
+PROBE = str(ROOT / "tests" / "probe_fsdp.py")
+DATA = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-test-size", "101"]
+# 4 steps an epoch, stopped at step 6 inside the second: a checkpoint every 2 steps gives a
+# mid-epoch one (step 2) to resume from. BatchNorm trains and augmentation is on: both scripts cut
+# the batch into the same slices and draw the same augmentation per process, so what differs is
+# only how the gradients are reduced and the weights are held.
+FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--lr", "0.02",
+         "--epochs", "2", "--max-steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "5",
+         "--report-to", "none"]
+
+
+def launch(script, out, *extra, probe=True, resume=False):
+    return run(script, *FLAGS, "--output-dir", out, *(["--resume"] if resume else []), *extra, cwd=out.parent,
+               launcher=(*ACCELERATE, *([PROBE] if probe else [])), env_extra={"PROBE_FILE": f"{out}.probe"})
+
+
+def probed(out: Path) -> list[dict]:
+    return [json.loads(Path(f"{out}.probe.{rank}").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"fsdp": (folder, output), "ddp": (folder, output)}: the same flags, run at the same time."""
+    folders = {name: tmp_path_factory.mktemp(name) / "run" for name in ("fsdp", "ddp")}
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(folders, pool.map(lambda name: launch(f"train_{name}.py", folders[name]), folders)))
+    return {name: (folders[name], done[name]) for name in folders}
+
+
+def is_parameter(key: str) -> bool:
+    return not key.endswith(("running_mean", "running_var", "num_batches_tracked"))
+
+
+def test_fsdp_trains_the_weights_of_ddp(runs):
+    """Same forward and backward on the same slices with the same (all-gathered) weights; the mean
+    gradient is (a + b) / 2 in both, reduce-scattered or all-reduced (a sum of two is commutative,
+    a halving exact), and SGD acts element by element, on a shard or a whole tensor: the same
+    arithmetic, so the bound is float32 rounding of the weights (|w| < 1: 6e-8), not a tolerance for
+    an algorithm that differs. Measured: 0.0 after 6 steps."""
+    out, done = runs["fsdp"]
+    assert "train_fsdp: resnet20 on 2 x cpu" in done.stdout and ", sharded, batch 32 (16 per device)" in done.stdout
+    fsdp, ddp = weights(out), weights(runs["ddp"][0])
+    assert sorted(fsdp) == sorted(ddp)
+    gap = max((fsdp[k].double() - ddp[k].double()).abs().max().item() for k in fsdp if is_parameter(k))
+    print(f"FSDP2 vs DDP after 6 steps: largest parameter difference {gap:.3g}")
+    assert gap <= 6e-8
+    moved = max((ddp[k] - weights(runs["ddp"][0] / "checkpoints" / "step_00000002")[k]).abs().max().item()
+                for k in ddp if is_parameter(k))
+    assert moved > 1e-3  # steps 3 to 6 moved the weights: the agreement is not trivial
+    # BatchNorm's running statistics: DDP broadcasts rank 0's before each forward; train_fsdp.py
+    # averages both processes' after each step, so they are the same on both but not rank 0's.
+    records = probed(out)
+    assert records[0]["buffer_sum"] == records[1]["buffer_sum"]
+    assert any(not torch.equal(fsdp[k], ddp[k]) for k in fsdp if k.endswith("running_mean"))
+
+
+def test_each_process_holds_half_the_parameters_and_optimizer_state(runs):
+    fsdp, ddp = probed(runs["fsdp"][0]), probed(runs["ddp"][0])
+    whole = ddp[0]["param_bytes"]
+    assert ddp[0]["param_full_bytes"] == whole == ddp[0]["optimizer_bytes"]  # momentum: one per weight
+    for rank, record in enumerate(fsdp):
+        print(f"rank {rank}: parameters {record['param_bytes']:,} bytes, optimizer state "
+              f"{record['optimizer_bytes']:,} bytes; DDP: {whole:,} each")
+        assert record["dtensor_params"] == record["params"] == 59  # every parameter sharded
+        assert record["param_full_bytes"] == whole
+        assert abs(record["param_bytes"] / whole - 0.5) < 0.02  # dim 0 cut in two (padding aside)
+        assert abs(record["optimizer_bytes"] / whole - 0.5) < 0.02
+    assert fsdp[0]["param_bytes"] + fsdp[1]["param_bytes"] == whole
+    # One unit per residual block (resnet20: 9 BasicBlocks) and the root; Accelerate also makes the
+    # last norm among the model's direct children (here the stem's bn1) a unit of its own.
+    assert fsdp[0]["units"] == ["FSDPBasicBlock"] * 9 + ["FSDPBatchNorm2d", "FSDPCifarResNet"]
+
+
+def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs["fsdp"][0], out)
+    step2 = out / "checkpoints" / "step_00000002"
+    listed = json.loads((step2 / MANIFEST).read_text())["crc32"]
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # torch.distributed.checkpoint: a file per process
+        assert {f"{folder}/.metadata", f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"} <= set(listed)
+    for later in ("step_00000004", "step_00000006"):
+        shutil.rmtree(out / "checkpoints" / later)
+    (out / "model.safetensors").unlink()
+    done = launch("train_fsdp.py", out, resume=True)
+    assert f"resumed from {step2} at epoch 1, step 2" in done.stdout  # in the middle of the epoch
+    ours, theirs = weights(out), weights(runs["fsdp"][0])
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # The digests cover the shards' index too: a damaged .metadata is found before it is loaded.
+    metadata = step2 / "optimizer_0" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    metadata.write_bytes(bytes(data))
+    assert checkpoint_problem(step2).startswith("optimizer_0/.metadata is damaged")
+
+
+def test_evaluate_gives_the_logged_accuracy(runs, tmp_path):
+    out = runs["fsdp"][0]
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, cwd=tmp_path)
+    correct, total = map(int, re.match(r"test_acc=[\d.]+ \((\d+)/(\d+)\)", done.stdout).groups())
+    assert total == logged["test_images"] == 101 and correct / total == logged["test_acc"]
+    per_class = [int(n) for n in re.findall(r"class\d\s+[\d.]+\s+\((\d+)/\d+\)", done.stdout)]
+    assert sum(per_class) == correct and sum(n > 0 for n in per_class) >= 2  # not one class for all
+
+
+def test_without_gpus_it_refuses_in_one_line_and_writes_nothing(tmp_path):
+    """As a user meets it: Accelerate drops the FSDP plugin on a CPU and would run DDP."""
+    out = tmp_path / "run"
+    done = run("train_fsdp.py", *FLAGS, "--output-dir", out, cwd=tmp_path, launcher=ACCELERATE, check=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    expected = ("error: train_fsdp.py shards over GPUs only, and Accelerate runs this launch as MULTI_CPU "
+                "on 2 x cpu (without GPUs it drops the FSDP plugin and would run DDP): launch it on 2 or "
+                "more GPUs (accelerate launch --config_file accelerate_configs/4gpu_fsdp.yaml), or use "
+                "train_ddp.py on this machine")
+    assert errors == [expected], done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sync_bn_is_refused(tmp_path):
+    done = run("train_fsdp.py", *FLAGS, "--sync-bn", "--output-dir", tmp_path / "run", cwd=tmp_path, check=False)
+    assert done.returncode == 1 and done.stderr.startswith("error: --sync-bn is train_ddp.py's:")
+    assert len(done.stderr.splitlines()) == 1 and list(tmp_path.iterdir()) == []
