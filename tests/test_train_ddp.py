@@ -336,10 +336,15 @@ def test_the_independent_runs_trap_is_caught(monkeypatch):
 def test_every_accelerate_config_loads(name):
     config = load_config_from_file(str(ROOT / "accelerate_configs" / name))
     gpus = {"1gpu.yaml": 1, "2gpu.yaml": 2, "4gpu.yaml": 4, "8gpu.yaml": 8, "4gpu_fp16.yaml": 4,
-            "4gpu_bf16.yaml": 4, "2nodes_4gpu.yaml": 8}[name]
+            "4gpu_bf16.yaml": 4, "2nodes_4gpu.yaml": 8, "4gpu_fsdp.yaml": 4}[name]
     assert config.num_processes == gpus
     assert config.mixed_precision == {"4gpu_fp16.yaml": "fp16", "4gpu_bf16.yaml": "bf16"}.get(name, "no")
-    assert str(config.distributed_type) == ("DistributedType.NO" if gpus == 1 else "DistributedType.MULTI_GPU")
+    kind = "NO" if gpus == 1 else "FSDP" if name == "4gpu_fsdp.yaml" else "MULTI_GPU"
+    assert str(config.distributed_type) == f"DistributedType.{kind}"
+    if name == "4gpu_fsdp.yaml":
+        fsdp = config.fsdp_config
+        assert (fsdp["fsdp_version"], fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_state_dict_type"]) == (
+            2, "TRANSFORMER_BASED_WRAP", "SHARDED_STATE_DICT")
     if name == "2nodes_4gpu.yaml":
         assert config.num_machines == 2 and config.machine_rank == 0 and config.main_process_port
 
