@@ -113,7 +113,7 @@ def test_resume_refuses_a_different_experiment(full_run, tmp_path):
     shutil.copytree(full_run[0], out)
     done = run("train_single.py", *TINY, "--model", "resnet32", "--output-dir", out, "--resume", check=False)
     assert done.returncode != 0
-    assert "--model is 'resnet32' but the run" in done.stderr and "Traceback" not in done.stderr
+    assert "this run has --model 'resnet32' but the run" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_resume_with_nothing_to_resume(tmp_path):
