@@ -104,6 +104,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
                        help="clip the global gradient norm (all parameters, all processes) to "
                             "MAX_NORM before each step (default: no clipping)")
+    train.add_argument("--ema-decay", type=float, default=0.0, metavar="DECAY",
+                       help="keep an exponential moving average of the weights (and BatchNorm "
+                            "buffers) with this decay, e.g. 0.999, after a warm-up; evaluated each "
+                            "epoch next to the live weights and saved as model.safetensors; 0 for "
+                            "none (default: %(default)s)")
     train.add_argument("--label-smoothing", type=float, default=0.0,
                        help="label smoothing of the cross-entropy, 0 for none "
                             "(default: %(default)s)")
@@ -293,6 +298,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.label_smoothing < 1:  # 1 would train towards uniform targets
         raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more "
                         f"and below 1")
+    if not 0 <= args.ema_decay < 1:
+        raise UserError(f"--ema-decay {args.ema_decay}: must be 0 (none) or more and below 1, e.g. "
+                        f"0.999")
     if not 0 <= args.warmup_epochs <= args.epochs:
         raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be a number of epochs from 0 "
                         f"to --epochs {args.epochs}")

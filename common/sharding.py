@@ -12,9 +12,9 @@
 """
 
 import torch
-import torch.distributed as dist
 from accelerate.utils import DistributedType
 
+from common.ema import mean_over_processes
 from common.errors import UserError
 from common.models import build_model
 
@@ -26,9 +26,13 @@ BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv
           "MaxVitBlock", "_DenseLayer", "_InvertedResidual")
 
 
-def check_sharding(accelerator, sync_bn: bool) -> None:
-    """Refuse a run that would not shard, or --sync-bn (a UserError; call it through
+def check_sharding(accelerator, sync_bn: bool, ema_decay: float = 0.0) -> None:
+    """Refuse a run that would not shard, --sync-bn, or --ema-decay (a UserError; call it through
     common.failures.refused_together for one line on N processes)."""
+    if ema_decay:  # Accelerate saves a registered object from the main process only: its shards
+        raise UserError("--ema-decay is not offered with train_fsdp.py: the average would be "
+                        "sharded like the weights, and a checkpoint would keep the main process's "
+                        "slice only; drop --ema-decay, or train with train_ddp.py --ema-decay")
     if sync_bn:
         raise UserError("--sync-bn is train_ddp.py's: under FSDP2 each process normalises its own "
                         "slice and the running statistics are averaged over the processes every "
@@ -54,25 +58,12 @@ def wrap_each_block(accelerator, model: torch.nn.Module, name: str) -> None:
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = found  # read by prepare()
 
 
-@torch.no_grad()
 def average_buffers(accelerator, model: torch.nn.Module) -> None:
     """Every floating-point buffer (BatchNorm's running mean and variance) set to its mean over the
-    processes, in one all-reduce per dtype. The running statistics are linear in the batches'
-    statistics, so averaging every step gives what one average at the end would (up to rounding),
-    and every process evaluates and saves the same buffers (a sharded checkpoint stores the main
-    process's only)."""
-    if accelerator.num_processes == 1:
-        return
-    by_dtype = {}
-    for buffer in model.buffers():
-        if buffer.is_floating_point():
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for buffers in by_dtype.values():
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        dist.all_reduce(flat)  # a sum: gloo has no average
-        flat /= accelerator.num_processes
-        torch._foreach_copy_(buffers, [f.view_as(b) for f, b in zip(
-            flat.split([b.numel() for b in buffers]), buffers)])
+    processes. The running statistics are linear in the batches' statistics, so averaging every
+    step gives what one average at the end would (up to rounding), and every process evaluates and
+    saves the same buffers (a sharded checkpoint stores the main process's only)."""
+    mean_over_processes(accelerator, [b for b in model.buffers() if b.is_floating_point()])
 
 
 def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.Module | None:

@@ -148,7 +148,8 @@ def log_line(m: dict) -> str:
     """The one greppable line per epoch, in the vocabulary of metrics.jsonl."""
     line = (f"epoch={m['epoch']}/{m['epochs']} step={m['step']} batch={m['batch_size']} "
             f"lr={m['lr']:.4g} train_loss={m['train_loss']:.4f} test_acc={m['test_acc']:.4f} "
-            f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
+            + (f"test_acc_ema={m['test_acc_ema']:.4f} " if "test_acc_ema" in m else "")  # averaged
+            + f"epoch_time_s={m['epoch_time_s']:.1f} img_per_s={m['img_per_s']:.0f} "
             f"data_wait_frac={m['data_wait_frac']:.3f}")
     for key in OPTIONAL_FIELDS:
         if key in m:  # a list holds one value per GPU: gpu_mem_peak_gb=5.21,3.02

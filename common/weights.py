@@ -142,6 +142,9 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
         else:
             metadata = {"model": config["args"]["model"], "step": step,
                         "channels_last": config["args"]["channels_last"],
+                        # --ema-decay: the averaged weights, not the last step's
+                        "weights": (f"ema {config['args']['ema_decay']}"
+                                    if config["args"].get("ema_decay") else "live"),
                         **{key: config[key] for key in EVALUATION if key in config}}
             try:
                 save_weights(accelerator.unwrap_model(model), path, metadata)

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
 from common.data_parallel import checked_gpus, memory_report
+from common.ema import WeightAverage
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.failures import refused_together
@@ -159,6 +160,7 @@ def main(args):
 
     progress = TrainProgress()  # the run's place and record, saved in every checkpoint
     accelerator.register_for_checkpointing(progress)
+    ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
         "world_size": accelerator.num_processes, "device": str(accelerator.device),
         "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
@@ -216,6 +218,7 @@ def main(args):
                 continue
             progress.step += 1
             progress.batch_in_epoch += 1
+            ema.update()  # --ema-decay: the average follows every optimizer step
             meter.add(step_loss)
             # The epoch's last whole optimizer step: micro-batches left over wait for the next.
             epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
@@ -230,10 +233,12 @@ def main(args):
                 # DP: evaluated on all the GPUs
                 result = evaluate(parallel_model, test_loader, transform, accelerator,
                                   data.num_classes)
+                averaged = ema.evaluate(evaluate, parallel_model, test_loader, transform,
+                                        accelerator, data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                     "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,
-                    "test_acc": result.accuracy, "test_images": result.total,
+                    "test_acc": result.accuracy, "test_images": result.total, **averaged,
                     **memory_report(devices)})  # DP: one value per GPU; GPU 0 holds more
                 if progress.step < stop_step:  # a stop signal that came during the evaluation
                     stop = guard.signalled()
@@ -246,6 +251,7 @@ def main(args):
     # ------------------------------------------------------------------------------- finish
     if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
         return announce_stop(accelerator, stop, progress.step, checkpointer.last)
+    ema.apply()  # --ema-decay: model.safetensors holds the averaged weights
     weights = save_final_weights(accelerator, model, output_dir, config, progress.step)
     final = f", test_acc {progress.history[-1]['test_acc']:.4f}" if progress.history else ""
     accelerator.print(f"done: step {progress.step}{final} - weights in {weights}")

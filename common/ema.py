@@ -1,0 +1,113 @@
+"""Weight averaging (--ema-decay): an exponential moving average of the model's weights and
+BatchNorm buffers, updated after every optimizer step, saved in every checkpoint.
+
+    ema = WeightAverage(accelerator, model, args.ema_decay)  # after prepare; None or 0: off
+    ema.update()                       # after each optimizer step
+    ema.evaluate(evaluate, model, ...) # {"test_acc_ema": ...} at the epoch's end ({} when off)
+    ema.apply()                        # before model.safetensors is written: the averaged weights
+
+The decay warms up as timm's ModelEmaV3 does (gamma 1, power 3/4): the t-th update uses
+min(decay, 1 - (1 + t) ** -0.75), so the first steps, whose weights are far from the end, are not
+frozen into the average (0.41 at the first update, 0.97 at the 100th, 0.99 at the 500th). One
+update is one fused lerp per dtype (torch._foreach_lerp_) with the weight as a Python number: no
+per-parameter Python loop, no host-device synchronisation.
+
+Under DDP the parameters are the same on every process but each process's BatchNorm statistics
+follow its own slice of the batch: the averaged buffers are averaged over the processes after
+every update (one small all-reduce), so every process holds the same average, evaluates with it,
+and resumes from the copy the main process saves (Accelerate saves registered objects from the
+main process only) bit for bit.
+"""
+
+import torch
+import torch.distributed as dist
+
+WARMUP_POWER = 0.75  # timm ModelEmaV3's warm-up, with gamma 1
+
+
+class WeightAverage:
+    """The average of ``model``'s floating-point parameters and buffers (``decay`` None or 0: off,
+    and every method does nothing). Registered for checkpointing when on."""
+
+    def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
+        self.accelerator, self.decay, self.updates = accelerator, decay or 0.0, 0
+        self.names, self.live, self.average, self.buffers = [], [], [], []
+        if not self.decay:
+            return
+        plain = accelerator.unwrap_model(model)
+        for name, tensor in [*plain.named_parameters(), *plain.named_buffers()]:
+            if tensor.is_floating_point():
+                self.names.append(name)
+                self.live.append(tensor.data)
+                self.average.append(tensor.detach().clone())
+                self.buffers.append(not isinstance(tensor, torch.nn.Parameter))
+        accelerator.register_for_checkpointing(self)
+
+    def __bool__(self) -> bool:
+        return bool(self.decay)
+
+    def decay_now(self) -> float:
+        """The decay of the next update: the warm-up's, up to --ema-decay."""
+        return min(self.decay, 1 - (1 + self.updates + 1) ** -WARMUP_POWER)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the average towards the model's weights after an optimizer step."""
+        if not self.decay:
+            return
+        weight = 1 - self.decay_now()
+        self.updates += 1
+        torch._foreach_lerp_(self.average, self.live, weight)
+        # BatchNorm's statistics differ by process: the same average on every process
+        mean_over_processes(self.accelerator,
+                            [a for a, is_buffer in zip(self.average, self.buffers) if is_buffer])
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the model's weights and the average (twice: back as they were)."""
+        held = [t.clone() for t in self.live]
+        torch._foreach_copy_(self.live, self.average)
+        torch._foreach_copy_(self.average, held)
+
+    def evaluate(self, evaluate, model, *args) -> dict:
+        """``evaluate(model, *args)`` (common.evaluation.evaluate) with the averaged weights in the
+        model: {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
+        if not self.decay:
+            return {}
+        self.swap()
+        try:
+            return {"test_acc_ema": evaluate(model, *args).accuracy}
+        finally:
+            self.swap()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Put the averaged weights in the model for good (the run's end: model.safetensors)."""
+        if self.decay:
+            torch._foreach_copy_(self.live, self.average)
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "decay": self.decay,
+                "average": dict(zip(self.names, self.average))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
+        with torch.no_grad():
+            torch._foreach_copy_(self.average, [state["average"][n] for n in self.names])
+
+
+@torch.no_grad()
+def mean_over_processes(accelerator, tensors: list[torch.Tensor]) -> None:
+    """Set each of ``tensors`` to its mean over the processes, in place: one all-reduce per dtype.
+    A collective (every process must call it); nothing with one process."""
+    if accelerator.num_processes == 1 or not tensors:
+        return
+    by_dtype = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)  # a sum: gloo has no average
+        flat /= accelerator.num_processes
+        torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(
+            flat.split([t.numel() for t in group]), group)])
