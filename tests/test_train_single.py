@@ -166,7 +166,8 @@ def test_weights_carry_what_evaluation_needs(full_run):
     config = json.loads((out / "config.json").read_text())
     stored = read_metadata(out / "model.safetensors")
     assert stored == {"model": "resnet20", "step": 48, "classes": config["classes"], "image_size": [32, 32],
-                      "normalization": config["normalization"], "channels_last": True}
+                      "normalization": config["normalization"], "channels_last": True,
+                      "weights": "live"}  # the last step's, not an --ema-decay average
     # A different training split has other channel statistics; the synthetic test split stays the same
     # (it does not depend on the training size). The stored normalisation alone reproduces the accuracy.
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]
