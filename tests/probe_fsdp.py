@@ -12,13 +12,13 @@ Accelerate's and torch's FSDP2 code, unchanged.
     accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 \
         tests/probe_fsdp.py scripts/train_fsdp.py ARGS...
 
-With $PROBE_FILE set, each process writes $PROBE_FILE.<rank> (JSON) at exit: the bytes of the
+With $PROBE_FILE set, each process writes $PROBE_FILE.<rank> (JSON) when the script ends: the bytes of the
 parameters and of the optimizer's state it holds (a DTensor's local shard; a plain tensor whole),
 the bytes of the full parameters, the classes that are FSDP units, and the sum of its floating-point
 buffers. Without a plugin (train_ddp.py) it only records.
 """
 
-import atexit
+import gc
 import json
 import os
 import runpy
@@ -81,8 +81,21 @@ def _write():
         json.dump(record, f)
 
 
+def _let_go():
+    """The sharded model and optimizer dropped and the process group ended while the interpreter
+    still runs: left to its shutdown, a gloo FSDP2 process now and then aborted there ("terminate
+    called without an active exception") after its run had finished."""
+    prepared.clear()
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 Accelerator.__init__ = _sharded_on_cpu
 Accelerator.prepare = _recorded_prepare
-atexit.register(_write)
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    _write()
+    _let_go()

@@ -4,14 +4,13 @@ Accelerate enables FSDP on GPUs only, so the script refuses on this machine (tes
 meets it). The runs that train go through tests/probe_fsdp.py, which sets, in the test's processes
 only, the state Accelerate sets on GPUs; prepare, the sharded steps, save_state, load_state and the
 gathered state dict are then Accelerate's and torch's FSDP2 code. One FSDP2 run and one DDP run of
-the same flags (started together) serve every test.
+the same flags serve every test.
 """
 
 import json
 import re
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,11 +44,10 @@ def probed(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"fsdp": (folder, output), "ddp": (folder, output)}: the same flags, run at the same time."""
+    """{"fsdp": (folder, output), "ddp": (folder, output)}: the same flags, one after the other (two
+    launches at once would both take Accelerate's default port)."""
     folders = {name: tmp_path_factory.mktemp(name) / "run" for name in ("fsdp", "ddp")}
-    with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(folders, pool.map(lambda name: launch(f"train_{name}.py", folders[name]), folders)))
-    return {name: (folders[name], done[name]) for name in folders}
+    return {name: (folders[name], launch(f"train_{name}.py", folders[name])) for name in folders}
 
 
 def is_parameter(key: str) -> bool:
