@@ -9,8 +9,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,3 +165,20 @@ def weights(run_dir):
 def wandb_runs(run_dir: Path) -> list[Path]:
     """The offline wandb run folders a run left next to its record."""
     return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
+
+
+@contextmanager
+def tmpfs(path: Path, size: str):
+    """A real filesystem of ``size`` at ``path`` (a tmpfs, mounted: root only, as CI runs; skipped
+    otherwise): it fills as a disk does, and its writers meet the errors a full disk gives."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

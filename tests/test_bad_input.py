@@ -2,7 +2,6 @@
 nothing lost. The same list is the table of docs/bad-input.md."""
 
 import hashlib
-import os
 import socket
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, execute, user_env
+from helpers import ROOT, execute, tmpfs, user_env
 
 from common.checkpoints import save_checkpoint
 from common.errors import UserError
@@ -299,22 +298,13 @@ def test_no_disk_space_for_a_checkpoint(tmp_path):
     """A real full disk (a 3 MB tmpfs; root only): safetensors raises SafetensorError, not OSError.
     The failed checkpoint is removed, the previous one stays whole, and the line says what to do."""
     import shutil
-    import subprocess
 
     import torch
     from accelerate import Accelerator
 
     from common.checkpoints import TrainProgress, checkpoint_problem
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs (a real full disk) needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "3m") as disk:
         accelerator = Accelerator(cpu=True)
         model = torch.nn.Linear(300, 300)  # 360 kB of weights, as much momentum
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -332,5 +322,3 @@ def test_no_disk_space_for_a_checkpoint(tmp_path):
         assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000004"]
         assert checkpoint_problem(previous) is None
         accelerator.load_state(str(previous))
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -22,9 +21,10 @@ import PIL.Image
 import pyarrow.parquet
 import pytest
 import torch
+from helpers import tmpfs
 
 from bench.tools import write_cifar_pickles
-from common.data import decode, hub, options, sources
+from common.data import decode, hub, options
 from common.data.cache import load_image_data
 from common.data.splits import ImageData
 from common.data.synthetic import make_synthetic
@@ -232,26 +232,10 @@ def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkey
     assert torch.equal(after.train_images[1:], before.train_images[1:])
 
 
-@contextmanager
-def full_disk(path: Path, size: str = "1m"):
-    """A real filesystem of ``size`` at ``path`` (a tmpfs; root only): it fills as a disk does."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs (a real full disk) needs root")
-    path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                             text=True, check=False)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_a_full_disk_for_the_cache_is_one_warning_and_the_run_goes_on(formats, source, tmp_path, caplog):
     """A real full disk (a 1 MB tmpfs) under the cache folder: the data still loads, one warning
     names the file and the cause, no partial file is left, and the cache already there is intact."""
-    with full_disk(tmp_path / "disk") as cache:
+    with tmpfs(tmp_path / "disk", "1m") as cache:
         earlier = load_image_data(data_dir=str(formats["image_folder"]), cache_dir=str(cache))
         (earlier_file,) = cache.glob("*.pt")
         before = earlier_file.read_bytes()

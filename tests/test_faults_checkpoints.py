@@ -15,13 +15,12 @@ import subprocess
 import sys
 import time
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from helpers import ROOT, run, weights
+from helpers import ROOT, run, tmpfs, weights
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -76,22 +75,6 @@ def diagnostics(stderr: str) -> list[str]:
 
 def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@contextmanager
-def tmpfs(path: Path, size: str):
-    """A real filesystem of ``size`` at ``path``: it fills as a disk does."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs (a real full disk) needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def grow(path: Path, size: str):
