@@ -3,7 +3,7 @@ BatchNorm buffers, updated after every optimizer step, saved in every checkpoint
 
     ema = WeightAverage(accelerator, model, args.ema_decay)  # after prepare; None or 0: off
     ema.update()                       # after each optimizer step
-    ema.evaluate(evaluate, model, ...) # {"test_acc_ema": ...} at the epoch's end ({} when off)
+    ema.evaluate(model, ...)           # {"test_acc_ema": ...} at the epoch's end ({} when off)
     ema.apply()                        # before model.safetensors is written: the averaged weights
 
 The decay warms up as timm's ModelEmaV3 does (gamma 1, power 3/4): the t-th update uses
@@ -21,6 +21,8 @@ main process only) bit for bit.
 
 import torch
 import torch.distributed as dist
+
+from common.evaluation import evaluate
 
 WARMUP_POWER = 0.75  # timm ModelEmaV3's warm-up, with gamma 1
 
@@ -69,9 +71,9 @@ class WeightAverage:
         torch._foreach_copy_(self.live, self.average)
         torch._foreach_copy_(self.average, held)
 
-    def evaluate(self, evaluate, model, *args) -> dict:
-        """``evaluate(model, *args)`` (common.evaluation.evaluate) with the averaged weights in the
-        model: {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
+    def evaluate(self, model, *args) -> dict:
+        """common.evaluation.evaluate(model, *args) with the averaged weights in the model:
+        {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
         if not self.decay:
             return {}
         self.swap()

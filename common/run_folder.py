@@ -55,8 +55,6 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
         or (output_dir is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0)
-    # ... and only into a folder that this job's earlier life took: a restart after a refusal
-    # gets the same checks, and the same refusal
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
             and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
@@ -85,8 +83,10 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             if resume == "latest" and not restarted and not path.is_dir():
                 check_output_dir(path, resume)  # says so before the lock would create the folder
             lock = lock_run_folder(path)
-            ours = restarted and read_job(path) == this_job()
-            decision[0] = _choose_checkpoint(lock, path, given, resume, ours)
+            # a restart continues by itself only in the folder its own job took: one refused at its
+            # start gets the same checks, and the same refusal
+            own_restart = restarted and read_job(path) == this_job()
+            decision[0] = _choose_checkpoint(lock, path, given, resume, own_restart)
             lock.record_job()  # for a restart of this job
         except UserError as error:
             if lock:
@@ -100,10 +100,10 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
 
 
 def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: str | None,
-                       restarted: bool) -> str | None:
-    """lock_run_and_find_resume's decision, on the main process, holding the lock; ``restarted``:
+                       own_restart: bool) -> str | None:
+    """lock_run_and_find_resume's decision, on the main process, holding the lock; ``own_restart``:
     this job started again in the folder it took before."""
-    if restarted:  # its own newest checkpoint; none yet: where it started, --resume or step 0
+    if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
         return _newest_complete(path, "") or (str(given) if given is not None else None)
     if given is not None:
         problem = checkpoint_problem(given)

@@ -154,7 +154,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
             signal.signal(stop_signal, signal.SIG_IGN)
     else:
         end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
-        if getattr(accelerator, "is_main_process", True):  # the same line on every process
+        if accelerator.is_main_process:  # the same line on every process
             print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
     return stop.exit_code

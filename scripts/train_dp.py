@@ -233,7 +233,7 @@ def main(args):
                 # DP: evaluated on all the GPUs
                 result = evaluate(parallel_model, test_loader, transform, accelerator,
                                   data.num_classes)
-                averaged = ema.evaluate(evaluate, parallel_model, test_loader, transform,
+                averaged = ema.evaluate(parallel_model, test_loader, transform,
                                         accelerator, data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,

@@ -221,7 +221,7 @@ def main(args):
                 # DDP: the loss averaged over processes; the time, img/s, the data wait
                 figures = meter.figures(accelerator.reduce(meter.loss_sum, "mean"))
                 result = evaluate(model, test_loader, transform, accelerator, data.num_classes)
-                averaged = ema.evaluate(evaluate, model, test_loader, transform, accelerator,
+                averaged = ema.evaluate(model, test_loader, transform, accelerator,
                                         data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,

@@ -188,7 +188,7 @@ def main(args):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
                 figures = meter.figures(meter.loss_sum)  # the loss, the time, img/s, the data wait
                 result = evaluate(model, test_loader, transform, accelerator, data.num_classes)
-                averaged = ema.evaluate(evaluate, model, test_loader, transform, accelerator,
+                averaged = ema.evaluate(model, test_loader, transform, accelerator,
                                         data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
