@@ -1,6 +1,7 @@
 """What the tests share: running the scripts as a user does, and reading what they leave."""
 
 import atexit
+import hashlib
 import json
 import os
 import select
@@ -182,3 +183,10 @@ def tmpfs(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def tree_digest(folder: Path) -> dict:
+    """Every file under ``folder`` and the sha256 of its bytes: equal before and after, nothing
+    was written, changed or removed."""
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*"))
+            if p.is_file()}

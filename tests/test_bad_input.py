@@ -1,7 +1,6 @@
 """Bad input: one line naming the wrong value and what to do, a non-zero exit within seconds, and
 nothing lost. The same list is the table of docs/bad-input.md."""
 
-import hashlib
 import socket
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, execute, tmpfs, user_env
+from helpers import ROOT, execute, tmpfs, tree_digest, user_env
 
 from common.checkpoints import save_checkpoint
 from common.errors import UserError
@@ -127,10 +126,6 @@ CASES = {
                                                 str(ROOT / "scripts" / "train_single.py")], SMALL, None,
                                                "train_single.py trains in one process but was launched as 2"),
 }
-
-
-def tree_digest(folder: Path) -> dict:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, run, tmpfs, weights
+from helpers import ROOT, run, tmpfs, tree_digest, weights
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -52,10 +52,6 @@ def copy(base, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(base, out)
     return out
-
-
-def digest(folder: Path) -> dict:
-    return {str(p): zlib.crc32(p.read_bytes()) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def garble(path: Path, n: int = 64):
@@ -134,13 +130,13 @@ def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(co
     del manifest["crc32"]
     (newest / "checkpoint.json").write_text(json.dumps(manifest))
     garble(newest / "scheduler.bin")
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--resume", newest, check=False, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     [line] = diagnostics(done.stderr)
     assert line.startswith(f"error: --resume {newest}: the checkpoint is damaged (scheduler.bin does not load (")
     assert line.endswith(f"); pass a complete one, such as {copy}/checkpoints/{step(6)}"), line
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
 
 
 def test_a_manifest_listing_nothing_is_damaged(base, copy):
@@ -160,16 +156,16 @@ def test_a_manifest_listing_nothing_is_damaged(base, copy):
 
 def test_an_older_step_of_a_finished_run_is_refused_and_continues_elsewhere(base, copy, tmp_path):
     older = copy / "checkpoints" / step(4)
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--resume", older, check=False, cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.splitlines() == [
         f"error: --resume {older}: the run in {copy} has finished (model.safetensors; metrics.jsonl records 2 "
         f"epochs to step 8); continuing it from {step(4)} in place would replace its record: add --output-dir "
         f"NEW to continue from {step(4)} in a new folder"]
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
     # the choice it gives: the same run continued in a new folder, bit for bit
     done = run("train_single.py", *FLAGS, "--resume", older, "--output-dir", tmp_path / "new", cwd=tmp_path)
-    assert same_weights(weights(tmp_path / "new"), weights(base)) and digest(copy) == before
+    assert same_weights(weights(tmp_path / "new"), weights(base)) and tree_digest(copy) == before
 
 
 def test_an_older_step_of_a_run_that_went_on_is_refused(copy, tmp_path):
@@ -185,13 +181,13 @@ def test_an_older_step_of_a_run_that_went_on_is_refused(copy, tmp_path):
 def test_resume_after_the_checkpoints_were_deleted_says_so_and_changes_nothing(copy, tmp_path):
     shutil.rmtree(copy / "checkpoints")
     (copy / "model.safetensors").unlink()
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.splitlines() == [
         f"error: --resume: the run in {copy} wrote checkpoints but none is left in {copy}/checkpoints "
         f"(metrics.jsonl records 2 epochs to step 8): put them back, or start a new run in another --output-dir; "
         f"nothing of the run was changed"]
-    assert digest(copy) == before and "stopped before its first" not in done.stderr
+    assert tree_digest(copy) == before and "stopped before its first" not in done.stderr
 
 
 # ------------------------------------------------------------------------------ weights not finite
@@ -214,23 +210,23 @@ def test_resume_with_no_complete_checkpoint_is_one_line_and_changes_nothing(copy
     cut = copy / "checkpoints" / step(8) / "model.safetensors"
     size = cut.stat().st_size
     cut.write_bytes(cut.read_bytes()[:-3])  # a copy cut short
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
     assert done.returncode == 1 and diagnostics(done.stderr) == [
         f"error: --resume: no checkpoint in {copy}/checkpoints is complete ({step(8)}: model.safetensors has "
         f"{size - 3} bytes where {size} were written): restore the damaged files, or remove {copy}/checkpoints "
         f"and --resume to start the run again from step 0"]
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
 
 
 def test_resume_of_a_finished_run_whose_checkpoints_were_removed_is_one_line(copy, tmp_path):
     shutil.rmtree(copy / "checkpoints")
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
     assert done.returncode == 1 and diagnostics(done.stderr) == [
         f"error: --resume: the run in {copy} has finished (model.safetensors) and has no checkpoint left to "
         f"continue from; start a new run in another --output-dir"]
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume_with_new_flags(tmp_path):
@@ -262,7 +258,7 @@ def test_resume_in_another_precision_or_with_other_flags_is_one_line(copy, tmp_p
     """The checkpoint of a fp32 run resumed by train_amp.py in bf16, or with another --image-size: one
     line naming both, nothing changed."""
     (copy / "model.safetensors").unlink()  # stopped after step 8, say
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_amp.py", *FLAGS, "--output-dir", copy, "--resume", "--mixed-precision", "bf16",
                check=False, cwd=tmp_path)
     assert done.returncode == 1 and diagnostics(done.stderr) == [
@@ -273,7 +269,7 @@ def test_resume_in_another_precision_or_with_other_flags_is_one_line(copy, tmp_p
     assert done.returncode == 1 and diagnostics(done.stderr) == [
         f"error: --resume: this run has --image-size 40 but the run in {copy} had no --image-size; resume with "
         f"the flags of that run, or start a new run"]
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
 
 
 def test_weights_that_are_not_finite_are_not_written(copy):
@@ -285,14 +281,14 @@ def test_weights_that_are_not_finite_are_not_written(copy):
     manifest["crc32"]["model.safetensors"] = f"{zlib.crc32((newest / 'model.safetensors').read_bytes()):08x}"
     (newest / "checkpoint.json").write_text(json.dumps(manifest))
     (copy / "model.safetensors").unlink()
-    before = digest(copy)
+    before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=copy.parent)
     assert done.returncode == 1 and diagnostics(done.stderr) == [
         f"error: the final weights are not finite ({name}: 1 of 16 values NaN or infinite) at step 8: "
         f"{copy}/model.safetensors was not written, and the run's checkpoints in {copy}/checkpoints are intact; "
         f"resume from an earlier one into a new --output-dir (--resume CHECKPOINT --output-dir NEW), or start "
         f"again"]
-    assert digest(copy) == before
+    assert tree_digest(copy) == before
 
 
 def evaluate(weights_file, *extra):
@@ -466,11 +462,11 @@ def test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given(ddp_base
 def test_a_job_refused_at_its_start_is_refused_again_after_its_restart(ddp_base, tmp_path):
     """`make ddp` into the folder of a finished run, without --resume: refused; the restarted job gets
     the same checks, not the newest checkpoint of a run that is not its own, and nothing is changed."""
-    before = digest(ddp_base)
+    before = tree_digest(ddp_base)
     process = launch(RESTARTABLE, tmp_path, "--output-dir", ddp_base)
     stderr = process.communicate(timeout=300)[1]
     assert process.returncode != 0
     refusal = (f"error: --output-dir {ddp_base} already holds a run: add --resume to continue it, or choose "
                f"another --output-dir")
     assert diagnostics(worker_lines(stderr)) == [refusal] and stderr.count(refusal) == 2  # once a start
-    assert digest(ddp_base) == before
+    assert tree_digest(ddp_base) == before

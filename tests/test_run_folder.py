@@ -6,7 +6,6 @@ what a user sees: a damaged newest checkpoint skipped, a second job refused, the
 """
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import ROOT, run
+from helpers import ROOT, run, tree_digest
 
 from common.checkpoints import (
     TrainProgress,
@@ -85,10 +84,6 @@ def out(saved, tmp_path):
     return copy
 
 
-def digest(folder: Path) -> dict:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def cut(path: Path, n: int = 10):
     path.write_bytes(path.read_bytes()[:-n])
 
@@ -143,7 +138,7 @@ def test_resume_skips_a_damaged_checkpoint_naming_the_file(out, damage, capsys):
 def test_with_no_complete_checkpoint_resume_stops_with_one_line(out):
     (out / "checkpoints" / "step_00000008" / "optimizer.bin").unlink()
     cut(out / "checkpoints" / "step_00000004" / "model.safetensors")
-    before = digest(out)
+    before = tree_digest(out)
     with pytest.raises(UserError) as error:
         resolve(out)
     assert error.value.message.startswith(
@@ -151,7 +146,7 @@ def test_with_no_complete_checkpoint_resume_stops_with_one_line(out):
         f"step_00000004: model.safetensors has ")
     assert error.value.message.endswith(f"restore the damaged files, or remove {out}/checkpoints and --resume to "
                                         f"start the run again from step 0")
-    assert digest(out) == before and not (out / LOCK_FILE).exists()
+    assert tree_digest(out) == before and not (out / LOCK_FILE).exists()
 
 
 def test_a_damaged_checkpoint_named_by_resume_is_refused(out):
@@ -255,10 +250,10 @@ def test_resume_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_
     assert json.loads((out / "config.json").read_text())["args"]["batch_size"] == 64
 
     # ... and put back when the run fails before writing its own (bad input changes nothing).
-    before = digest(out)
+    before = tree_digest(out)
     assert resolve(out) == (out, None)
     RunLock._release_all()
-    assert digest(out) == before and sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert tree_digest(out) == before and sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl"]
 
 
 def test_a_config_set_aside_by_a_killed_run_is_put_back(tmp_path):
@@ -292,13 +287,13 @@ def test_a_second_job_is_refused_naming_the_holder(out):
     held = lock_run_folder(out)
     info = json.loads((out / LOCK_FILE).read_text())
     assert (info["host"], info["pid"]) == (HOST, os.getpid())
-    before = digest(out)
+    before = tree_digest(out)
     for resume in ("latest", None):
         with pytest.raises(UserError) as error:
             resolve(out, resume)
         assert error.value.message == (f"{out} is in use by another job (pid {os.getpid()} on {HOST} (since "
                                        f"{info['since']})): wait for it to end, or choose another --output-dir")
-    assert digest(out) == before
+    assert tree_digest(out) == before
     held.release()
     assert not (out / LOCK_FILE).exists()
     assert resolve(out) == (out, out / "checkpoints" / "step_00000008")
@@ -424,11 +419,11 @@ def test_a_second_job_into_a_held_folder_stops_and_changes_nothing(trained, tmp_
     shutil.copytree(trained, out)
     held = lock_run_folder(out)  # the first job, still running
     since = json.loads((out / LOCK_FILE).read_text())["since"]
-    before = digest(out)
+    before = tree_digest(out)
     done = run("train_single.py", *SMALL, "--output-dir", out, "--resume", check=False, cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         f"error: {out} is in use by another job (pid {os.getpid()} on {HOST} (since {since})): wait for it to end, "
         f"or choose another --output-dir"]
-    assert digest(out) == before
+    assert tree_digest(out) == before
     held.release()
