@@ -17,10 +17,18 @@ follow its own slice of the batch: the averaged buffers are averaged over the pr
 every update (one small all-reduce), so every process holds the same average, evaluates with it,
 and resumes from the copy the main process saves (Accelerate saves registered objects from the
 main process only) bit for bit.
+
+Under FSDP2 each parameter is a DTensor of which a process holds one slice, and deepcopy or
+torch.optim.swa_utils.AveragedModel refuse the sharded module: the average is kept of the local
+slices, so it is sharded like the weights and costs 1/N of them. A checkpoint holds it whole:
+state_dict() gathers each averaged slice into the full tensor (Accelerate calls it on every
+process, and writes the main process's), and load_state_dict() cuts the full tensor back into
+this process's slice.
 """
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.evaluation import evaluate
 
@@ -34,15 +42,19 @@ class WeightAverage:
     def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
         self.accelerator, self.decay, self.updates = accelerator, decay or 0.0, 0
         self.names, self.live, self.average, self.buffers = [], [], [], []
+        self.sharded = []  # FSDP2: each parameter's DTensor (its layout), None for a whole tensor
         if not self.decay:
             return
         plain = accelerator.unwrap_model(model)
         for name, tensor in [*plain.named_parameters(), *plain.named_buffers()]:
             if tensor.is_floating_point():
+                sharded = tensor.data if isinstance(tensor.data, DTensor) else None
+                local = sharded.to_local() if sharded is not None else tensor.data  # this slice
                 self.names.append(name)
-                self.live.append(tensor.data)
-                self.average.append(tensor.detach().clone())
+                self.live.append(local)
+                self.average.append(local.detach().clone())
                 self.buffers.append(not isinstance(tensor, torch.nn.Parameter))
+                self.sharded.append(sharded)
         accelerator.register_for_checkpointing(self)
 
     def __bool__(self) -> bool:
@@ -89,13 +101,28 @@ class WeightAverage:
             torch._foreach_copy_(self.live, self.average)
 
     def state_dict(self) -> dict:
+        """The whole average (FSDP2: its slices gathered, a collective every process calls)."""
         return {"updates": self.updates, "decay": self.decay,
-                "average": dict(zip(self.names, self.average))}
+                "average": {name: whole(average, layout).cpu() for name, average, layout in
+                            zip(self.names, self.average, self.sharded)}}
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = state["updates"]
-        with torch.no_grad():
-            torch._foreach_copy_(self.average, [state["average"][n] for n in self.names])
+        saved = [state["average"][name] for name in self.names]
+        with torch.no_grad():  # FSDP2: this process's slice of each whole tensor
+            torch._foreach_copy_(self.average, [
+                tensor if layout is None else distribute_tensor(
+                    tensor.to(layout.device), layout.device_mesh, layout.placements).to_local()
+                for tensor, layout in zip(saved, self.sharded)])
+
+
+def whole(local: torch.Tensor, layout: DTensor | None) -> torch.Tensor:
+    """``local`` itself, or (FSDP2) the full tensor of which it is this process's slice, laid out as
+    ``layout``: an all-gather, a collective."""
+    if layout is None:
+        return local
+    return DTensor.from_local(local, layout.device_mesh, layout.placements, run_check=False,
+                              shape=layout.shape, stride=layout.stride()).full_tensor()
 
 
 @torch.no_grad()

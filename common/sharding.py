@@ -26,13 +26,9 @@ BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv
           "MaxVitBlock", "_DenseLayer", "_InvertedResidual")
 
 
-def check_sharding(accelerator, sync_bn: bool, ema_decay: float = 0.0) -> None:
-    """Refuse a run that would not shard, --sync-bn, or --ema-decay (a UserError; call it through
+def check_sharding(accelerator, sync_bn: bool) -> None:
+    """Refuse a run that would not shard, or --sync-bn (a UserError; call it through
     common.failures.refused_together for one line on N processes)."""
-    if ema_decay:  # Accelerate saves a registered object from the main process only: its shards
-        raise UserError("--ema-decay is not offered with train_fsdp.py: the average would be "
-                        "sharded like the weights, and a checkpoint would keep the main process's "
-                        "slice only; drop --ema-decay, or train with train_ddp.py --ema-decay")
     if sync_bn:
         raise UserError("--sync-bn is train_ddp.py's: under FSDP2 each process normalises its own "
                         "slice and the running statistics are averaged over the processes every "

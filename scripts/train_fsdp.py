@@ -109,7 +109,7 @@ def set_up(args) -> Accelerator:
     )
     check_launch(accelerator, args.batch_size, args.grad_accum)  # DDP: every process, equal slices
     # FSDP: without GPUs Accelerate drops the plugin and runs DDP: one line instead
-    refused_together(accelerator, check_sharding, accelerator, args.sync_bn, args.ema_decay)
+    refused_together(accelerator, check_sharding, accelerator, args.sync_bn)
     set_seed(args.seed)  # FSDP: the same weights on every process: FSDP2 does not broadcast them
     return accelerator
 

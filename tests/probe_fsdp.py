@@ -14,8 +14,9 @@ Accelerate's and torch's FSDP2 code, unchanged.
 
 With $PROBE_FILE set, each process writes $PROBE_FILE.<rank> (JSON) when the script ends: the bytes of the
 parameters and of the optimizer's state it holds (a DTensor's local shard; a plain tensor whole),
-the bytes of the full parameters, the classes that are FSDP units, and the sum of its floating-point
-buffers. Without a plugin (train_ddp.py) it only records.
+the bytes of the full parameters, the classes that are FSDP units, the sum of its floating-point
+buffers, and the bytes of the weight average (--ema-decay) it holds for the parameters. Without a
+plugin (train_ddp.py) it only records.
 """
 
 import gc
@@ -31,7 +32,10 @@ from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from common import ema
+
 _init, _prepare = Accelerator.__init__, Accelerator.prepare
+_average = ema.WeightAverage.__init__
 prepared = {}
 
 
@@ -52,6 +56,11 @@ def _recorded_prepare(self, *args, **kwargs):
         elif isinstance(obj, torch.optim.Optimizer):
             prepared["optimizer"] = obj
     return result
+
+
+def _recorded_average(self, *args, **kwargs):
+    _average(self, *args, **kwargs)
+    prepared["ema"] = self
 
 
 def held(tensor) -> int:
@@ -77,6 +86,10 @@ def _write():
         "units": sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)),
         "buffer_sum": sum(b.double().sum().item() for b in model.buffers() if b.is_floating_point()),
     }
+    if prepared.get("ema"):
+        average = prepared["ema"]
+        record["ema_param_bytes"] = sum(held(a) for a, is_buffer in zip(average.average, average.buffers)
+                                        if not is_buffer)
     with open(f"{os.environ['PROBE_FILE']}.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump(record, f)
 
@@ -93,6 +106,7 @@ def _let_go():
 
 Accelerator.__init__ = _sharded_on_cpu
 Accelerator.prepare = _recorded_prepare
+ema.WeightAverage.__init__ = _recorded_average
 sys.argv = sys.argv[1:]
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")

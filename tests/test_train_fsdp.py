@@ -4,7 +4,7 @@ Accelerate enables FSDP on GPUs only, so the script refuses on this machine (tes
 meets it). The runs that train go through tests/probe_fsdp.py, which sets, in the test's processes
 only, the state Accelerate sets on GPUs; prepare, the sharded steps, save_state, load_state and the
 gathered state dict are then Accelerate's and torch's FSDP2 code. One FSDP2 run and one DDP run of
-the same flags serve every test.
+the same flags, both with a weight average (--ema-decay), serve every test.
 """
 
 import json
@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ROOT, run, weights
+from probe_counts import per_class, predictions, printed_per_class
+
+from safetensors import safe_open
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.checkpoints import MANIFEST, checkpoint_problem
+from common.data.synthetic import make_synthetic
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
@@ -27,10 +32,12 @@ DATA = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-
 # 4 steps an epoch, stopped at step 6 inside the second: a checkpoint every 2 steps gives a
 # mid-epoch one (step 2) to resume from. BatchNorm trains and augmentation is on: both scripts cut
 # the batch into the same slices and draw the same augmentation per process, so what differs is
-# only how the gradients are reduced and the weights are held.
+# only how the gradients are reduced and the weights are held. model.safetensors holds the weight
+# average (FSDP2: of each process's slices); the checkpoints hold the live weights.
+DECAY = 0.5
 FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--lr", "0.02",
          "--epochs", "2", "--max-steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "5",
-         "--report-to", "none"]
+         "--report-to", "none", "--ema-decay", DECAY]
 
 
 def launch(script, out, *extra, probe=True, resume=False):
@@ -54,22 +61,36 @@ def is_parameter(key: str) -> bool:
     return not key.endswith(("running_mean", "running_var", "num_batches_tracked"))
 
 
-def test_fsdp_trains_the_weights_of_ddp(runs):
+def sharded_checkpoint_weights(checkpoint: Path, tmp_path: Path) -> dict:
+    """The live weights of a sharded checkpoint, its slices put together by torch's own converter."""
+    dcp_to_torch_save(checkpoint / "pytorch_model_fsdp_0", tmp_path / "whole.pt")
+    return torch.load(tmp_path / "whole.pt")["model"]
+
+
+def largest_gap(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if is_parameter(k))
+
+
+def test_fsdp_trains_the_weights_of_ddp(runs, tmp_path):
     """Same forward and backward on the same slices with the same (all-gathered) weights; the mean
     gradient is (a + b) / 2 in both, reduce-scattered or all-reduced (a sum of two is commutative,
     a halving exact), and SGD acts element by element, on a shard or a whole tensor: the same
     arithmetic, so the bound is float32 rounding of the weights (|w| < 1: 6e-8), not a tolerance for
-    an algorithm that differs. Measured: 0.0 after 6 steps."""
+    an algorithm that differs. Measured: 0.0 after 6 steps, for the live weights (the checkpoints)
+    and for their average (model.safetensors: FSDP2 averages each process's slices)."""
     out, done = runs["fsdp"]
     assert "train_fsdp: resnet20 on 2 x cpu" in done.stdout and ", sharded, batch 32 (16 per device)" in done.stdout
-    fsdp, ddp = weights(out), weights(runs["ddp"][0])
-    assert sorted(fsdp) == sorted(ddp)
-    gap = max((fsdp[k].double() - ddp[k].double()).abs().max().item() for k in fsdp if is_parameter(k))
-    print(f"FSDP2 vs DDP after 6 steps: largest parameter difference {gap:.3g}")
-    assert gap <= 6e-8
-    moved = max((ddp[k] - weights(runs["ddp"][0] / "checkpoints" / "step_00000002")[k]).abs().max().item()
-                for k in ddp if is_parameter(k))
+    ddp_out = runs["ddp"][0]
+    live = sharded_checkpoint_weights(out / "checkpoints" / "step_00000006", tmp_path)
+    ddp_live = weights(ddp_out / "checkpoints" / "step_00000006")
+    fsdp, ddp = weights(out), weights(ddp_out)
+    assert sorted(live) == sorted(ddp_live) == sorted(fsdp) == sorted(ddp)
+    gaps = {"live": largest_gap(live, ddp_live), "average": largest_gap(fsdp, ddp)}
+    print(f"FSDP2 vs DDP after 6 steps: largest parameter difference {gaps}")
+    assert gaps["live"] <= 6e-8 and gaps["average"] <= 6e-8
+    moved = largest_gap(ddp_live, weights(ddp_out / "checkpoints" / "step_00000002"))
     assert moved > 1e-3  # steps 3 to 6 moved the weights: the agreement is not trivial
+    assert largest_gap(fsdp, live) > 1e-4  # and the file holds the average, not the live weights
     # BatchNorm's running statistics: DDP broadcasts rank 0's before each forward; train_fsdp.py
     # averages both processes' after each step, so they are the same on both but not rank 0's.
     records = probed(out)
@@ -88,6 +109,8 @@ def test_each_process_holds_half_the_parameters_and_optimizer_state(runs):
         assert record["param_full_bytes"] == whole
         assert abs(record["param_bytes"] / whole - 0.5) < 0.02  # dim 0 cut in two (padding aside)
         assert abs(record["optimizer_bytes"] / whole - 0.5) < 0.02
+        assert record["ema_param_bytes"] == record["param_bytes"]  # the average of its slice only
+    assert ddp[0]["ema_param_bytes"] == whole
     assert fsdp[0]["param_bytes"] + fsdp[1]["param_bytes"] == whole
     # One unit per residual block (resnet20: 9 BasicBlocks) and the root; Accelerate also makes the
     # last norm among the model's direct children (here the stem's bn1) a unit of its own.
@@ -101,6 +124,10 @@ def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
     listed = json.loads((step2 / MANIFEST).read_text())["crc32"]
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # torch.distributed.checkpoint: a file per process
         assert {f"{folder}/.metadata", f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"} <= set(listed)
+    # The weight average is saved whole (its slices gathered) by the main process, as DDP's.
+    average = torch.load(step2 / "custom_checkpoint_1.pkl", weights_only=False)["average"]
+    full = weights(runs["ddp"][0])
+    assert {k: v.shape for k, v in average.items()} == {k: v.shape for k, v in full.items() if v.is_floating_point()}
     for later in ("step_00000004", "step_00000006"):
         shutil.rmtree(out / "checkpoints" / later)
     (out / "model.safetensors").unlink()
@@ -117,13 +144,20 @@ def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
 
 
 def test_evaluate_gives_the_logged_accuracy(runs, tmp_path):
+    """The gathered average in model.safetensors, read by evaluate.py, gives the logged test_acc_ema,
+    class by class as counted here with plain torch (tests/probe_counts.py). Six steps do not teach
+    the model much: the count made here, not a learnt model, is what evaluate.py must match."""
     out = runs["fsdp"][0]
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata()["weights"] == f"ema {DECAY}"
     done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, cwd=tmp_path)
-    correct, total = map(int, re.match(r"test_acc=[\d.]+ \((\d+)/(\d+)\)", done.stdout).groups())
-    assert total == logged["test_images"] == 101 and correct / total == logged["test_acc"]
-    per_class = [int(n) for n in re.findall(r"class\d\s+[\d.]+\s+\((\d+)/\d+\)", done.stdout)]
-    assert sum(per_class) == correct and sum(n > 0 for n in per_class) >= 2  # not one class for all
+    test = make_synthetic(128, 101)
+    counts = per_class(predictions(out / "model.safetensors", test.test_images), test.test_labels, 10)
+    correct = sum(c for c, _ in counts)
+    assert done.stdout.startswith(f"test_acc={correct / 101:.4f} ({correct}/101) "), done.stdout
+    assert printed_per_class(done.stdout) == counts
+    assert logged["test_images"] == 101 and logged["test_acc_ema"] == correct / 101
 
 
 def test_without_gpus_it_refuses_in_one_line_and_writes_nothing(tmp_path):
