@@ -32,6 +32,7 @@ from common.data.splits import ImageData
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
+from common.ema import WeightAverage
 from common.models import build_model
 from common.optim import build_optimizer
 from common.run_record import versions
@@ -228,12 +229,13 @@ class PlainLoop:
     normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
     as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does,
     ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32); cuDNN searches its convolution
-    algorithms (cudnn.benchmark) as in the scripts.
+    algorithms (cudnn.benchmark) as in the scripts. ``ema_decay`` adds the scripts' weight average
+    (common.ema.WeightAverage, one process) after every optimizer step, as --ema-decay does.
     """
 
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
                  channels_last: bool = False, compiled: bool = False, num_batches: int = 4,
-                 tf32_math: bool | None = None):
+                 tf32_math: bool | None = None, ema_decay: float = 0.0):
         data = make_synthetic(batch_size * num_batches, 10)
         transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
         self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in
@@ -246,6 +248,7 @@ class PlainLoop:
         # A small lr: the loop runs for speed, and a diverging model would end in NaNs.
         self.optimizer = build_optimizer(model, lr=0.01, momentum=0.9, weight_decay=5e-4)
         self.model = torch.compile(model) if compiled else model
+        self.ema = WeightAverage(OneProcess(), model, ema_decay)  # does nothing when 0
         self.criterion = torch.nn.CrossEntropyLoss()
         self.device, self.bf16, self.batch_size, self.steps_done = device, bf16, batch_size, 0
         self.tf32_math = tf32_math
@@ -262,6 +265,7 @@ class PlainLoop:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
+                self.ema.update()
                 # Waits for the device at every step, so each step's time is the device's; the scripts
                 # wait a step behind (their NaN check, common/step_guard.py): the same pace once running.
                 loss.item()
@@ -269,6 +273,31 @@ class PlainLoop:
                 self.step_seconds.append(time.perf_counter() - tick)
                 tick = time.perf_counter()
             return time.perf_counter() - start
+
+
+class OneProcess:
+    """What common.ema.WeightAverage asks of an Accelerator, for one process and a plain model."""
+
+    num_processes = 1
+
+    def unwrap_model(self, model):
+        return model
+
+    def register_for_checkpointing(self, *objects):
+        pass
+
+
+def ema_update_seconds(loop: PlainLoop, updates: int = 20) -> float:
+    """The median time of one weight-average update of ``loop``'s model, each timed alone with the
+    device waited for before and after it."""
+    times = []
+    for _ in range(updates):
+        synchronize(loop.device)
+        start = time.perf_counter()
+        loop.ema.update()
+        synchronize(loop.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @contextlib.contextmanager

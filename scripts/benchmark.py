@@ -8,6 +8,7 @@ Each strategy row launches the real training script as a subprocess, as its docs
     DDP on 2, 4, ... GPUs     accelerate launch --config_file accelerate_configs/4gpu.yaml \\
                                   --num_processes N scripts/train_ddp.py
     DDP + fp16, DDP + bf16    accelerate launch ... scripts/train_amp.py --mixed-precision fp16|bf16
+    FSDP2 on all GPUs         accelerate launch ... --num_processes N scripts/train_fsdp.py
     a machine without GPUs    train_single.py; train_amp.py --mixed-precision bf16 in one process;
                               train_ddp.py as 2 processes on gloo
 
@@ -37,6 +38,9 @@ side here:
                 and later, as the scripts' --tf32 default sets it (the strict fp32 peak beside it)
     compile     torch.compile on the plain loop: compile time and steady speed-up,
                 reported as measured
+    ema         the cost of --ema-decay: the plain loop with the scripts' weight average updated
+                after every step against the same loop without it, rounds alternated, and one
+                update timed alone; reported as measured
 
 Launch:
     python scripts/benchmark.py                              # every strategy here and every check
@@ -76,7 +80,8 @@ from common.run_folder import new_run_dir
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
-CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile")
+CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile", "ema")
+EMA_DECAY = 0.999  # the ema check's --ema-decay (the update's cost does not depend on it)
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 # steps left out of every measurement: the first allocates, tunes kernels, fills caches
 WARMUP_STEPS = 2
@@ -135,6 +140,9 @@ def available_strategies(gpus: int) -> dict[str, Strategy]:
     counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < gpus} | ({gpus} - {1}))
     rows += [Strategy(f"ddp{n}", f"train_ddp, DDP on {n} GPUs, fp32", "train_ddp.py", n, n)
              for n in counts]
+    if gpus > 1:  # sharded against DDP on the same GPUs: img/s and peak memory per GPU
+        rows.append(Strategy(f"fsdp{gpus}", f"train_fsdp, FSDP2 on {gpus} GPUs, fp32",
+                             "train_fsdp.py", gpus, gpus))
     for precision in ("fp16", "bf16") if tools.native_bf16() else ("fp16",):
         name = f"ddp{gpus}-{precision}" if gpus > 1 else precision
         where = f"DDP on {gpus} GPUs" if gpus > 1 else "1 GPU"
@@ -417,8 +425,27 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
             single.get("other_work")))
     if "compile" in checks:
         results += [compile_check(setting, loop, args, steps, device)
-                    for setting, loop in loops.items()]
+                    for setting, loop in loops.items() if setting != "ema"]
+    if "ema" in checks and plain.get("ema"):
+        results.append(ema_check(plain, loops["ema"], args, single.get("other_work")))
     return results
+
+
+def ema_check(plain: dict, loop, args, other_work) -> dict:
+    """--ema-decay's cost: the plain loop with the weight average against the same loop without it
+    (train_single's layout), round by round, and one update timed alone."""
+    ratio = statistics.median(e / p for e, p in zip(plain["ema"], plain["fp32_channels_last"]))
+    update = tools.ema_update_seconds(loop)
+    step = args.per_device_batch_size / statistics.median(plain["fp32_channels_last"])
+    result = check(
+        "ema: plain loop with --ema-decay / without", ratio, None,
+        f"{ratio:.3f}x ({statistics.median(plain['ema']):.1f} vs "
+        f"{statistics.median(plain['fp32_channels_last']):.1f} img/s); one update "
+        f"{update * 1e3:.2f} ms, {update / step:.2%} of a {step * 1e3:.0f} ms step",
+        "reported", f"{len(plain['ema'])} rounds of each, alternated; the update alone is the "
+        f"median of 20, the device waited for before and after each", other_work)
+    result["update_s"], result["step_s"] = update, step
+    return result
 
 
 def data_checks(single, args, device) -> list[dict]:
@@ -632,17 +659,17 @@ def main(args):
 
     # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
     # compare loops that ran on the same machine at the same time.
-    plain = {"fp32": [], "fp32_channels_last": [], "bf16": []}
+    plain = {"fp32": [], "fp32_channels_last": [], "bf16": [], "ema": []}
     # Matmul FLOP/s, measured in the same rounds and in the math the loops run in: with the
     # scripts' --tf32 default, fp32 in TF32 on GPUs that have it, so the strict fp32 peak is
     # measured beside it.
     peaks = {"fp32": [], "bf16": [], **({"fp32_strict": []} if tools.uses_tf32(device) else {})}
     tf32_math = True if gpus else None  # the scripts' --tf32 default; it changes nothing on a CPU
     loops = {}
-    if {"overhead", "precision", "compute", "compile"} & set(checks):
+    if {"overhead", "precision", "compute", "compile", "ema"} & set(checks):
         loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
                                         tf32_math=tf32_math)
-        if "overhead" in checks:  # train_single's own layout (--channels-last, its default);
+        if {"overhead", "ema"} & set(checks):  # train_single's layout (--channels-last, default);
             # "fp32" stays NCHW, the baseline of the precision check (bf16 + channels_last
             # against fp32)
             loops["fp32_channels_last"] = tools.PlainLoop(args.model, args.per_device_batch_size,
@@ -651,6 +678,10 @@ def main(args):
         if {"precision", "compile"} & set(checks) and (gpus == 0 or tools.native_bf16()):
             loops["bf16"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
                                             bf16=True, channels_last=True, tf32_math=tf32_math)
+        if "ema" in checks:  # the same loop as fp32_channels_last, plus the weight average
+            loops["ema"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
+                                           channels_last=True, tf32_math=tf32_math,
+                                           ema_decay=EMA_DECAY)
         for loop in loops.values():
             loop.run(WARMUP_STEPS)
             loop.step_seconds.clear()

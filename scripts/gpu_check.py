@@ -7,16 +7,16 @@
 
 In order, on the first visible GPU and on all of them:
 1. checks: `pytest -m gpu tests/test_gpu.py`. Every training script on every path it has (1 GPU and
-   all GPUs; fp32 with and without TF32, fp16, bf16; --compile; --sync-bn; DataParallel, which
-   checks the copies between GPUs first; check_gpus.py), and what must agree: N-GPU DDP,
-   DataParallel and SyncBatchNorm against 1 GPU after fixed steps, stop + --resume under
+   all GPUs; fp32 with and without TF32, fp16, bf16; --compile; --sync-bn; --ema-decay; FSDP2;
+   DataParallel, which checks the copies between GPUs first; check_gpus.py), and what must agree:
+   N-GPU DDP, DataParallel, FSDP2 and SyncBatchNorm against 1 GPU after fixed steps, stop + --resume under
    --deterministic bit for bit, evaluate.py against the logged accuracy. The criteria and tolerances
    are in tests/test_gpu.py and, with each check's figures, in the report. Multi-GPU checks are
    skipped, with the reason, on 1 GPU.
 2. the benchmark's GPU rows (scripts/benchmark.py, its protocol): ResNet-18 at 32 px on synthetic
    data, every script and precision on 1 GPU (batch 128, and 512 for the bf16 epoch target), then
-   every row on all GPUs: img/s, the ratio to a plain PyTorch loop of the same model and precision,
-   data wait, peak memory per GPU.
+   every row on all GPUs (FSDP2 beside DDP): img/s, the ratio to a plain PyTorch loop of the same
+   model and precision, data wait, peak memory per GPU; the cost of --ema-decay's update (1 GPU).
 3. ResNet-50 (torchvision, ImageNet stem) at 224 px on synthetic data, fp32 (TF32) and bf16: the
    plain loop only (bench/tools.py PlainLoop), because the scripts' synthetic data is 32 px.
 4. gpu-check.json (every figure) and gpu-check.md in a new run folder (runs/gpu-check-<date>-<time>,

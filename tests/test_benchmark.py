@@ -23,7 +23,7 @@ from helpers import ROOT, make
 from PIL import Image
 
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
-        "--checks", "overhead", "data", "loader", "precision", "compute", "--loader-images", "256", "--loader-files",
+        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "--loader-images", "256", "--loader-files",
         "64", "--matmul-size", "256", "--sweep-batch-size", "16"]
 
 
@@ -96,7 +96,7 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
 def test_checks_state_each_ratio_against_its_target(report):
     _, result, stdout = report
     checks = {c["check"].split(":")[0]: c for c in result["checks"]}
-    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute"}
+    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema"}
     assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
     assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
     assert checks["compute"]["target"] == ">= 85 %"
@@ -122,6 +122,11 @@ def test_checks_state_each_ratio_against_its_target(report):
         assert checks[name]["passed"] == (checks[name]["value"] >= target) and checks[name]["value"] > 0
     assert checks["data wait"]["passed"] == (checks["data wait"]["value"] < 0.02)
     assert "| overhead: train_single / plain PyTorch loop |" in stdout  # the checks table is printed too
+    # --ema-decay's cost: the same loop with and without the average, the same rounds; one update alone.
+    ema, with_ema = checks["ema"], result["plain_loop_img_per_s"]["ema"]
+    assert len(with_ema) == len(plain) and ema["target"] == "reported" and ema["passed"] is None
+    assert ema["value"] == pytest.approx(statistics.median(e / p for e, p in zip(with_ema, plain)))
+    assert 0 < ema["update_s"] < ema["step_s"] and f"one update {ema['update_s'] * 1e3:.2f} ms" in ema["measured"]
 
 
 def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(report):
@@ -152,7 +157,8 @@ def test_report_files_are_well_formed(report):
     assert "| `ddp2`: train_ddp, 2 processes on gloo, fp32 | 2 | 16 |" in markdown
     assert "Protocol: each row launches its script 2 times, as users launch it" in markdown
     assert "## Batch size sweep (`single`)" in markdown and "## Checks" in markdown
-    assert markdown.count("PASS") + markdown.count("BELOW") == len(result["checks"])
+    assert markdown.count("PASS") + markdown.count("BELOW") == sum(c["passed"] is not None for c in result["checks"])
+    assert "| ema: plain loop with --ema-decay / without |" in markdown
     with Image.open(out / "benchmark.png") as image:
         assert image.format == "PNG" and image.width > 800 and image.height > 200
 
@@ -163,8 +169,8 @@ def test_gpu_rows_follow_the_gpu_count(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16"]
-    assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "ddp6-fp16",
-                                                       "ddp6-bf16"]
+    assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "fsdp6",
+                                                       "ddp6-fp16", "ddp6-bf16"]
     rows = benchmark.available_strategies(4)
     assert rows["ddp4-bf16"].launcher()[-4:] == ["--config_file", "accelerate_configs/4gpu.yaml",
                                                   "--num_processes", "4"]

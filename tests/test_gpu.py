@@ -5,9 +5,9 @@ Without CUDA every `gpu` test is skipped, not failed, and so is each multi-GPU t
 
 Pass criteria (quoted in the report with each check's figures):
 - learns: 3 epochs of the suite's tiny run (ResNet-20, 1,024 synthetic images) reach test_acc > 0.4
-  (chance 0.1; 0.48-0.52 on CPUs) with a finite loss, and evaluate.py on the saved weights alone gives
-  the logged accuracy within 1 test image (it picks its own kernels and runs fp32 matmuls without TF32);
-- agreement: N-GPU DDP, DataParallel and DDP with --sync-bn end 5 steps (lr 0.001, no augmentation,
+  (chance 0.1; 0.48-0.52 on CPUs; test_acc_ema with --ema-decay) with a finite loss, and evaluate.py on
+  the saved weights alone gives the logged accuracy within 1 test image (it picks its own kernels and runs fp32 matmuls without TF32);
+- agreement: N-GPU DDP, DataParallel, FSDP2 and DDP with --sync-bn end 5 steps (lr 0.001, no augmentation,
   --no-tf32 --deterministic) within 1e-4 of one GPU, largest absolute weight difference (the CPU suite
   holds 1e-5; GPU kernels' reduction order depends on the batch per GPU), and plain DDP, whose
   BatchNorm sees only its own slice, does not (negative control);
@@ -126,6 +126,11 @@ CASES = {
                                                            "--sync-bn")),
     "train_amp-all-bf16-sync-bn": ("train_amp.py", "all", ("--deterministic", "--mixed-precision", "bf16",
                                                            "--sync-bn")),
+    "train_fsdp-all": ("train_fsdp.py", "all", ("--deterministic",)),
+    # --ema-decay: model.safetensors holds the average, whose accuracy is test_acc_ema
+    "train_amp-bf16-ema": ("train_amp.py", 1, ("--deterministic", "--mixed-precision", "bf16", "--ema-decay", "0.9")),
+    "train_dp-all-ema": ("train_dp.py", "all", ("--deterministic", "--ema-decay", "0.9")),
+    "train_fsdp-all-ema": ("train_fsdp.py", "all", ("--deterministic", "--ema-decay", "0.9")),
 }
 
 
@@ -180,13 +185,14 @@ def test_every_script_learns_and_evaluate_reproduces_it(trained, record, name):
     found = re.match(r"test_acc=\S+ \((\d+)/(\d+)\)", evaluated.stdout)
     assert found, evaluated.stdout
     correct, total = int(found.group(1)), int(found.group(2))
-    logged_correct = round(logged["test_acc"] * logged["test_images"])
+    accuracy = "test_acc_ema" if "--ema-decay" in flags else "test_acc"  # what the weights file holds
+    logged_correct = round(logged[accuracy] * logged["test_images"])
     record(criterion=f"learns: test_acc > {LEARNED} and a finite loss after 3 epochs; evaluate.py within "
                      f"{allowed} test images of the logged accuracy",
            test_acc=logged["test_acc"], train_loss=logged["train_loss"], evaluate_correct=correct,
            logged_correct=logged_correct, test_images=total, img_per_s=round(logged["img_per_s"]),
            world_size=settings["world_size"], **{k: v for k, v in logged.items() if k.startswith("gpu_mem")})
-    assert math.isfinite(logged["train_loss"]) and logged["test_acc"] > LEARNED, logged
+    assert math.isfinite(logged["train_loss"]) and logged[accuracy] > LEARNED, logged
     assert total == logged["test_images"] and abs(correct - logged_correct) <= allowed, evaluated.stdout
     assert settings["world_size"] == (GPUS if gpus == "all" and script != "train_dp.py" else 1)
     assert settings["args"]["deterministic"] == ("--deterministic" in flags)
@@ -210,7 +216,8 @@ def test_tf32_changes_fp32_math_and_no_tf32_turns_it_off(trained, record):
 @gpu()
 @pytest.mark.parametrize("name", [case(name) for name in ("train_single-tf32", "train_dp-1gpu", "train_amp-fp16",
                                                           "train_amp-bf16", "train_dp-all", "train_ddp-all-sync-bn",
-                                                          "train_amp-all-bf16-sync-bn")])
+                                                          "train_amp-all-bf16-sync-bn", "train_fsdp-all-ema",
+                                                          "train_amp-bf16-ema")])
 def test_stop_and_resume_is_bit_for_bit(trained, record, tmp_path, name):
     reference = trained(name)
     steps = config(reference)["steps_per_epoch"]
@@ -257,10 +264,11 @@ def one_gpu(tmp_path_factory):
 
 
 @gpu(2)
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_dp.py"])
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_dp.py", "train_fsdp.py"])
 def test_all_gpus_match_one_gpu(one_gpu, record, tmp_path, script):
-    """DDP (one process per GPU) and DataParallel (which first checks the copies between GPUs) split
-    the batch and combine the gradients: with BatchNorm frozen nothing else differs from one GPU."""
+    """DDP (one process per GPU), DataParallel (which first checks the copies between GPUs) and FSDP2
+    (sharded weights, gradients reduce-scattered) split the batch and combine the gradients: with
+    BatchNorm frozen nothing else differs from one GPU."""
     ours = agree_run(script, tmp_path / "run", frozen=True, gpus=GPUS)
     set_seed(0)
     initial = build_model("resnet20", num_classes=10).state_dict()
