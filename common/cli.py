@@ -2,17 +2,15 @@
 
 import argparse
 import math
-import os
-from pathlib import Path
 
 import torch
 import torchvision
 
-from common.data.options import DataOptions
-from common.data.sources import check_dataset_name
-from common.data.synthetic import check_synthetic_size
+from common.data_flags import add_augment_args, add_data_args, check_augment_args, check_data_args
 from common.errors import UserError
-from common.models import TORCHVISION_PREFIX, build_model, model_names
+from common.files import check_folder
+from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, build_model, model_names
+from common.pretrained import check_fine_tuning
 
 # torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
 # nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
@@ -30,6 +28,9 @@ MAX_SEED = 2**32 - 1
 # loaded one. An online tracker or a large model's checkpoint on a slow disk needs more (600).
 MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmetic (--lr, ...)
+# --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
+# usual fine-tuning rate.
+DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
@@ -54,15 +55,32 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the shared flags; a script adds only the flags of its own strategy."""
     parser = Parser(doc)
     add_data_args(parser)
+    add_augment_args(parser)
 
     train = parser.add_argument_group("training")
-    train.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
-                       help="random crop and horizontal flip of training images: up to 64px "
-                            "padded by 4 and cropped, above 64px random-resized crops, with "
-                            "either --loader (default: on)")
     train.add_argument("--model", default="resnet18",
-                       help=f"one of {', '.join(model_names())}, or torchvision:NAME for any "
-                            "torchvision classifier with its ImageNet stem (default: %(default)s)")
+                       help=f"one of {', '.join(model_names())}, torchvision:NAME for any "
+                            "torchvision classifier with its ImageNet stem, or timm:NAME for any "
+                            "timm model (default: %(default)s)")
+    train.add_argument("--pretrained", action="store_true",
+                       help="start from the library's ImageNet weights of --model (timm:NAME from "
+                            "the Hugging Face cache, torchvision:NAME from $TORCH_HOME; downloaded "
+                            "when reachable, else one line says where the file must be), the head "
+                            "swapped for the data's classes, the images sized and normalised as "
+                            "the weights expect (default: random weights)")
+    train.add_argument("--pretrained-path", default=None, metavar="FILE",
+                       help="start from the weights in FILE (safetensors or a torch state dict: "
+                            "timm's, torchvision's or an earlier run's model.safetensors), as "
+                            "--pretrained does (default: none)")
+    train.add_argument("--freeze", default="none", choices=("none", "backbone"),
+                       help="backbone: train the classifier only; every other parameter frozen "
+                            "and BatchNorm's running statistics too (default: %(default)s)")
+    train.add_argument("--head-lr-scale", type=float, default=1.0, metavar="X",
+                       help="the classifier's lr is X times the rest's, e.g. 10 when fine-tuning "
+                            "(default: %(default)s)")
+    train.add_argument("--optimizer", default="sgd", choices=tuple(DEFAULT_LR),
+                       help="sgd: SGD with Nesterov momentum; adamw: AdamW. Neither decays norm "
+                            "or bias parameters (default: %(default)s)")
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                        help="NHWC memory format for the model and its batches: faster convolutions "
                             "on tensor cores and in oneDNN on CPUs (default: on)")
@@ -87,10 +105,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                             "micro-batches of --batch-size / N images (each process a slice of "
                             "them), with one gradient all-reduce per step, for a batch that does "
                             "not fit in memory at once (default: %(default)s)")
-    train.add_argument("--lr", type=float, default=0.1,
+    train.add_argument("--lr", type=float, default=None,
                        help="peak learning rate of the schedule for a global batch of "
                             "--reference-batch-size; other batch sizes scale it (--scale-lr) "
-                            "(default: %(default)s)")
+                            "(default: 0.1 with --optimizer sgd, 0.001 with adamw)")
     train.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
                        help="linear scaling rule: peak lr = --lr x --batch-size / "
                             "--reference-batch-size, so a larger global batch keeps its accuracy; "
@@ -100,7 +118,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--momentum", type=float, default=0.9,
                        help="SGD momentum, Nesterov (default: %(default)s)")
     train.add_argument("--weight-decay", type=float, default=5e-4,
-                       help="L2 weight decay (default: %(default)s)")
+                       help="weight decay of the weights (not of norm and bias parameters): SGD's "
+                            "L2, AdamW's decoupled decay, for which 0.05 is usual "
+                            "(default: %(default)s)")
     train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
                        help="clip the global gradient norm (all parameters, all processes) to "
                             "MAX_NORM before each step (default: no clipping)")
@@ -167,99 +187,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    """Where the images come from: the same flags for training and for scripts/evaluate.py."""
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset", default="cifar10",
-                      help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image "
-                           "classification dataset id (owner/name) with an image and a label "
-                           "column, or synthetic: made on the spot, no download, suits a CPU "
-                           "(default: %(default)s)")
-    data.add_argument("--data-dir", default=None,
-                      help="read the data from this folder or archive instead of the Hub: a Hub "
-                           "snapshot (*.parquet), a save_to_disk folder, cifar-10-batches-py (or "
-                           "its .tar.gz), or an image folder train/<class>/* with test/<class>/* "
-                           "(or val/, validation/)")
-    data.add_argument("--val-fraction", type=float, default=None, metavar="F",
-                      help="evaluate on this share of the training images, drawn per class with "
-                           "--seed, and train on the rest, for data with no labelled test or "
-                           "validation split (default: the data's own test split, else its "
-                           "validation split)")
-    data.add_argument("--image-size", type=int, default=None, metavar="N",
-                      help="training and evaluation resolution N x N: images are resized "
-                           "(shorter side) and centre-cropped to N, training ones then cropped at "
-                           "random (see --augment) (default: the images' own size when they share "
-                           "one square size, as CIFAR's 32, else 224)")
-    data.add_argument("--loader", default="auto", choices=("auto", "device", "workers"),
-                      help="device: decode every image once and keep them on the training device "
-                           "(fastest, if they fit); workers: DataLoader workers decode and augment "
-                           "each batch (any size); auto: device when the decoded images fit "
-                           "--loader-budget (default: %(default)s)")
-    data.add_argument("--workers", type=int, default=None, metavar="N",
-                      help="DataLoader worker processes per training process for --loader workers "
-                           "(default: the CPU cores shared among the node's processes, less one, "
-                           "at most 16)")
-    data.add_argument("--loader-budget", type=float, default=None, metavar="GB",
-                      help="the most the decoded images may take for --loader device/auto "
-                           "(default: half the free memory of the GPU and of the host, whichever "
-                           "is less)")
-    data.add_argument("--bad-images", default="stop", choices=("stop", "skip"),
-                      help="an image that cannot be decoded stops the run with its name (stop), "
-                           "or is reported and left out (skip) (default: %(default)s)")
-    data.add_argument("--cache-dir", default=None,
-                      help="where decoded uint8 tensors (and parquet converted to Arrow) are "
-                           "cached (default: $CIFAR_CACHE_DIR or ~/.cache/multigpu-cifar)")
-    data.add_argument("--synthetic-train-size", type=int, default=5000,
-                      help="images in the synthetic training split (default: %(default)s)")
-    data.add_argument("--synthetic-test-size", type=int, default=1000,
-                      help="images in the synthetic test split (default: %(default)s)")
-
-
-def check_data_args(args: argparse.Namespace) -> None:
-    """The data flags' values argparse cannot check, for training and evaluation alike."""
-    check_dataset_name(args.dataset)
-    if args.image_size is not None and not 8 <= args.image_size <= 4096:
-        raise UserError(f"--image-size {args.image_size}: must be from 8 to 4096 pixels")
-    if args.workers is not None and args.workers < 0:
-        raise UserError(f"--workers {args.workers}: must be 0 (load in the training process) or "
-                        f"more")
-    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
-        raise UserError(f"--val-fraction {args.val_fraction}: must be between 0 and 1, e.g. 0.1")
-    if args.loader_budget is not None and not 0 <= args.loader_budget < math.inf:
-        raise UserError(f"--loader-budget {args.loader_budget}: must be a number of GB, 0 or more")
-    if args.workers is not None and args.loader == "device":
-        raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: "
-                        f"drop one of them")
-    if args.loader_budget is not None and args.loader == "workers":
-        raise UserError(f"--loader-budget {args.loader_budget} is for --loader device or auto, "
-                        f"not --loader workers: drop one of them")
-    for flag in ("synthetic_train_size", "synthetic_test_size"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")
-    if args.dataset == "synthetic":
-        check_synthetic_size(args.synthetic_train_size, args.synthetic_test_size, args.image_size)
-    check_folder("--cache-dir", args.cache_dir)
-
-
-# The training flags the input path reads; scripts/evaluate.py has none of them.
-TRAINING_DATA_FLAGS = ("seed", "batch_size", "grad_accum", "augment", "channels_last")
-
-
-def data_options(args: argparse.Namespace) -> DataOptions:
-    """What the input path needs of the parsed flags: common.inputs.load_inputs(data_options(args),
-    accelerator). The data flags, and those training flags (TRAINING_DATA_FLAGS) the parser has."""
-    training = {name: getattr(args, name) for name in TRAINING_DATA_FLAGS if hasattr(args, name)}
-    return DataOptions(dataset=args.dataset, data_dir=args.data_dir, cache_dir=args.cache_dir,
-                       val_fraction=args.val_fraction, image_size=args.image_size,
-                       loader=args.loader, workers=args.workers,
-                       loader_budget=args.loader_budget, bad_images=args.bad_images,
-                       synthetic_train_size=args.synthetic_train_size,
-                       synthetic_test_size=args.synthetic_test_size, **training)
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     check_data_args(args)
+    check_augment_args(args)
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
                 "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
@@ -283,7 +214,7 @@ def check_args(args: argparse.Namespace) -> None:
     # computes in float32: a larger lr or weight decay (the peak lr, after --scale-lr) stops its
     # first step with "value cannot be converted to type float without overflow".
     scale = args.batch_size / args.reference_batch_size if args.scale_lr else 1
-    if not 0 < args.lr * max(scale, 1) <= FLOAT32_MAX:
+    if args.lr is not None and not 0 < args.lr * max(scale, 1) <= FLOAT32_MAX:
         raise UserError(f"--lr {args.lr}: must be a positive number, at most {FLOAT32_MAX:.3g} "
                         f"(float32's largest) once scaled by --scale-lr")
     if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
@@ -312,6 +243,7 @@ def check_args(args: argparse.Namespace) -> None:
                         f"{MIN_DIST_TIMEOUT} to {MAX_DIST_TIMEOUT}, e.g. 600 (below "
                         f"{MIN_DIST_TIMEOUT} the others time out while the main process starts "
                         f"the tracker or writes a checkpoint)")
+    check_fine_tuning(args.pretrained, args.pretrained_path, args.freeze, args.head_lr_scale)
     check_model_name(args.model)
     check_folder("--output-dir", args.output_dir)
 
@@ -333,22 +265,9 @@ def check_model_name(name: str) -> None:
     known = name in model_names() or (name.startswith(TORCHVISION_PREFIX)
                                       and name.removeprefix(TORCHVISION_PREFIX)
                                       in torchvision.models.list_models(module=torchvision.models))
+    if name.startswith(TIMM_PREFIX):
+        import timm  # imported by the runs that use it only: it takes a second
+        known = timm.is_model(name.removeprefix(TIMM_PREFIX))
     if not known:
         # builds nothing: raises the UserError that lists the valid names
         build_model(name, num_classes=2)
-
-
-def check_folder(flag: str, path: str | None) -> None:
-    """A folder flag naming a file, a path under a file, or a folder that cannot be written in fails
-    at the first file written there, with a traceback: say so now, in one line."""
-    if path is None:
-        return
-    given = Path(path)
-    existing = next(p for p in (given, *given.parents) if p.exists())  # "." or "/" at the latest
-    if not existing.is_dir():
-        raise UserError(f"{flag} {path}: must be a folder, but "
-                        f"{'it' if existing == given else existing} is a file; choose another "
-                        f"{flag}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not "
-                        f"writable; choose another {flag}")

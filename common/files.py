@@ -1,4 +1,5 @@
-"""Atomic files: a file or folder is either the old one or the whole new one, never half-written.
+"""Atomic files: a file or folder is either the old one or the whole new one, never half-written;
+and the folders named by flags, checked before anything is written in them (check_folder).
 
 Every file the runs write goes through ``atomic_write``: written under a temporary name, flushed to
 the disk (fsync), then renamed into place, so a process killed while writing leaves the previous
@@ -10,6 +11,8 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
+
+from common.errors import UserError
 
 
 @contextmanager
@@ -63,3 +66,19 @@ def fsync_tree(path: Path) -> None:
             with open(Path(root) / name, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(Path(root))
+
+
+def check_folder(flag: str, path: str | None) -> None:
+    """A folder flag naming a file, a path under a file, or a folder that cannot be written in fails
+    at the first file written there, with a traceback: say so now, in one line."""
+    if path is None:
+        return
+    given = Path(path)
+    existing = next(p for p in (given, *given.parents) if p.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: must be a folder, but "
+                        f"{'it' if existing == given else existing} is a file; choose another "
+                        f"{flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not "
+                        f"writable; choose another {flag}")

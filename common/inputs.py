@@ -25,6 +25,7 @@ from common.data.choice import choose_loader
 from common.data.crops import crop_mode
 from common.data.decode import DEFAULT_IMAGE_SIZE, native_size
 from common.data.device import on_device, tensor_loader
+from common.data.mixing import BatchMix
 from common.data.options import DataOptions
 from common.data.sources import open_source
 from common.data.stats import channel_stats, sample_stats
@@ -51,6 +52,8 @@ class Inputs:
     workers: int
     # --val-fraction and --seed, which evaluation needs to find the same split
     eval_split: dict | None = None
+    # --mixup, --cutmix: images, labels = mix(images, labels, micro_batch) (off: as they are)
+    mix: BatchMix = dataclasses.field(default_factory=lambda: BatchMix(2))
 
     @property
     def num_classes(self) -> int:
@@ -78,23 +81,30 @@ class Inputs:
 
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:
-    """The loaders of ``options`` (common.cli.data_options) for ``accelerator``'s device and
+    """The loaders of ``options`` (common.data_flags.data_options) for ``accelerator``'s device and
     processes; one line and exit status 1 when the data or the flags cannot work (one line on N
     processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
     processes."""
+    inputs = _load_inputs(options, accelerator)
+    inputs.mix = BatchMix(inputs.num_classes, options.mixup, options.cutmix, options.seed,
+                          accelerator.process_index)
+    return inputs
+
+
+def _load_inputs(options: DataOptions, accelerator) -> Inputs:
     micro_batch = options.batch_size // options.grad_accum
     data = refused_together(accelerator, _cached, options, options.image_size, options.batch_size)
     if data is not None:
         inputs = refused_together(accelerator, _from_cache, options, accelerator, data,
                                   micro_batch, options.seed, options.val_fraction,
-                                  options.augment)
+                                  options.augment, options.normalization)
         if inputs is not None:
             return inputs
     source = refused_together(accelerator, _open, options, options.seed, options.val_fraction,
                               options.batch_size)
     return refused_together(accelerator, _build, options, accelerator, source, options.image_size,
                             micro_batch, options.seed, options.val_fraction,
-                            augment=options.augment)
+                            augment=options.augment, normalization=options.normalization)
 
 
 def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, batch_size: int,
@@ -186,13 +196,15 @@ def _build(options, accelerator, source, image_size, batch_size, seed, val_fract
         stats = normalization["mean"], normalization["std"]
     else:
         stats = sample_stats(source.train, size)
-    transform = BatchTransform(*stats, augment=False, channels_last=options.channels_last)
+    transform = BatchTransform(*stats, augment=False, channels_last=options.channels_last,
+                               **_batch_augmentation(options, augment))
     common = dict(size=size, batch_size=batch_size, workers=workers, seed=seed,
                   process=accelerator.process_index, pin_memory=device.type == "cuda",
                   skip_bad=skip_bad)
     train_loader = None
     if augment is not None:
-        train_loader = worker_loader(source.train, train=True, augment=augment, **common)
+        train_loader = worker_loader(source.train, train=True, augment=augment,
+                                     auto_augment=options.auto_augment, **common)
     return Inputs(train_loader, worker_loader(source.test, train=False, **common), transform,
                   source.classes, source.source, len(source.train), len(source.test), size,
                   loader, why, workers, _eval_split(val_fraction, seed))
@@ -206,8 +218,8 @@ def _on_device(options, device, data, batch_size, seed, val_fraction, augment, n
         stats = normalization["mean"], normalization["std"]
     else:
         stats = channel_stats(data.train_images)
-    transform = BatchTransform(*stats, augment=bool(augment),
-                               channels_last=options.channels_last)
+    transform = BatchTransform(*stats, augment=bool(augment), channels_last=options.channels_last,
+                               **_batch_augmentation(options, augment))
     data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
     train_loader = None
     if augment is not None:
@@ -218,6 +230,12 @@ def _on_device(options, device, data, batch_size, seed, val_fraction, augment, n
                   transform, data.classes, data.source, len(data.train_labels),
                   len(data.test_labels), data.train_images.shape[-1], "device", why, 0,
                   _eval_split(val_fraction, seed))
+
+
+def _batch_augmentation(options: DataOptions, augment: bool | None) -> dict:
+    """What the training batches get on the device on either path (augment None: evaluation,
+    nothing): --random-erase."""
+    return {} if augment is None else {"erase": options.random_erase}
 
 
 def _eval_split(val_fraction, seed) -> dict | None:

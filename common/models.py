@@ -10,8 +10,11 @@
   image size (the ViTs take 224 px only, inception_v3 75 px and more) is refused when built, with
   the size it needs, before a run writes anything.
 
+- ``timm:NAME``: any timm model (``timm.list_models()``), e.g. ``timm:resnet50`` or, with a
+  pretrained tag, ``timm:resnet50.a1_in1k``: the ImageNet-stem models people fine-tune.
+
 Our own models take any size from 8 px (global average pooling before the classifier). Weights are
-always random (``weights=None``): nothing is downloaded.
+always random here: pretrained ones are loaded by common.pretrained, from their file.
 """
 
 import copy
@@ -27,6 +30,7 @@ from torch import nn
 from common.errors import UserError, first_line
 
 TORCHVISION_PREFIX = "torchvision:"
+TIMM_PREFIX = "timm:"
 _CIFAR_STEM = {"resnet18": torchvision.models.resnet18, "resnet34": torchvision.models.resnet34,
                "resnet50": torchvision.models.resnet50}
 _BLOCKS_PER_STAGE = {"resnet20": 3, "resnet32": 5, "resnet56": 9}  # depth = 6n + 2 (He et al. 4.2)
@@ -92,7 +96,7 @@ def _with_cifar_stem(model: torchvision.models.ResNet) -> torchvision.models.Res
 
 
 def model_names() -> list[str]:
-    """Our names; ``--model`` also takes ``torchvision:NAME``."""
+    """Our names; ``--model`` also takes ``torchvision:NAME`` and ``timm:NAME``."""
     return [*_CIFAR_STEM, *_BLOCKS_PER_STAGE]
 
 
@@ -115,8 +119,42 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
             raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} "
                             f"({hint}); {rule}")
         return _torchvision_model(name, tv_name, num_classes, image_size)
+    if name.startswith(TIMM_PREFIX):
+        return _timm_model(name, name.removeprefix(TIMM_PREFIX), num_classes, image_size)
     raise UserError(f"unknown model {name!r}: choose one of {', '.join(model_names())}, "
-                    f"or torchvision:NAME (e.g. torchvision:resnet50) where {rule}")
+                    f"torchvision:NAME (e.g. torchvision:resnet50) where {rule}, or timm:NAME "
+                    f"(e.g. timm:resnet50) where NAME is any of timm.list_models()")
+
+
+def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | None) -> nn.Module:
+    import timm  # imported by the runs that use it only: it takes a second
+
+    if not timm.is_model(timm_name):
+        close = difflib.get_close_matches(timm_name, timm.list_models(), n=5)
+        hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, convnext_tiny"
+        raise UserError(f"unknown timm model {timm_name!r} in --model {name!r} ({hint}); NAME "
+                        f"is any of timm.list_models(), with or without a pretrained tag")
+    model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes)
+    if image_size is not None:
+        _check_image_size(_shapes_only(model), name, num_classes, image_size)
+    return model
+
+
+def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
+    """The qualified name of ``model``'s classifier (its head): timm's own (get_classifier), else
+    the last Linear or convolution module with ``num_classes`` outputs, any number when None (our
+    ResNets' and torchvision's ResNets' ``fc``, ``classifier.1``, ``heads.head`` ...)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    get_classifier = getattr(model, "get_classifier", None)
+    if callable(get_classifier) and id(get_classifier()) in names:
+        return names[id(get_classifier())]
+    heads = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and num_classes in (None, module.out_features)
+             or isinstance(module, nn.Conv2d) and num_classes == module.out_channels]
+    if not heads:
+        raise UserError(f"found no classifier with {num_classes} outputs in the model: it cannot "
+                        f"be fine-tuned here")
+    return heads[-1]
 
 
 def _torchvision_model(name: str, tv_name: str, num_classes: int,

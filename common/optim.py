@@ -1,14 +1,32 @@
-"""Optimizer and learning-rate schedule: SGD with Nesterov momentum, one-cycle or step decay."""
+"""Optimizer and learning-rate schedule: SGD with Nesterov momentum or AdamW, one-cycle or step
+decay."""
 
 import bisect
 import math
 
 import torch
 
+from common.models import classifier_name
 
-def build_optimizer(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float):
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True,
-                           weight_decay=weight_decay)
+
+def build_optimizer(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float,
+                    kind: str = "sgd", head_lr_scale: float = 1.0):
+    """SGD (Nesterov) or AdamW over the trainable parameters (a frozen backbone's are left out), in
+    groups: weight decay for the weights only, none for norm and bias parameters (every tensor of
+    one dimension, as timm and the ViT recipes do); the classifier at ``head_lr_scale`` x ``lr``.
+    Each group keeps its scale as "lr_scale", which the schedule and set_peak_lr read."""
+    head = f"{classifier_name(model)}." if head_lr_scale != 1 else None
+    groups = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            scale = head_lr_scale if head and name.startswith(head) else 1.0
+            decay = weight_decay if parameter.ndim > 1 else 0.0
+            groups.setdefault((scale, decay), []).append(parameter)
+    param_groups = [{"params": params, "lr": lr * scale, "lr_scale": scale, "weight_decay": decay}
+                    for (scale, decay), params in groups.items()]
+    if kind == "adamw":
+        return torch.optim.AdamW(param_groups, lr=lr)
+    return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True)
 
 
 def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch: int,
@@ -26,7 +44,8 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
         warmup_steps = 0  # OneCycleLR divides by the warm-up's length - 1
     if schedule == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=optimizer.defaults["lr"], total_steps=total_steps,
+            optimizer, max_lr=[group["lr"] for group in optimizer.param_groups],
+            total_steps=total_steps,
             pct_start=warmup_steps / total_steps, anneal_strategy="cos", cycle_momentum=False)
     milestone_steps = sorted(m * steps_per_epoch for m in milestones)
 
@@ -44,6 +63,8 @@ def set_peak_lr(optimizer, scheduler, peak_lr: float, say=print) -> None:
     the step it was at; ``say`` tells the change, in one line. Nothing changes for a new run."""
     group = optimizer.param_groups[0]
     old = group.get("max_lr", group.get("initial_lr"))  # OneCycleLR's peak, LambdaLR's base lr
+    if old is not None:
+        old /= group.get("lr_scale", 1.0)  # --head-lr-scale: the group's share of the peak
     if old is None or math.isclose(old, peak_lr, rel_tol=1e-9):
         return
     factor = peak_lr / old

@@ -29,6 +29,7 @@ DEFAULT_PROJECT = "multigpu-cifar"
 # the other processes of a job wait for the main one meanwhile, so it must stay well under
 # --dist-timeout (600 s), and under wandb's own 90 s.
 START_TIMEOUT = 60
+SCRIPT_INDENT = "  "  # the start line's continuation lines
 
 
 def has_wandb_credentials() -> bool:
@@ -172,8 +173,12 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
                 + (" (deterministic)" if args["deterministic"] else ""))
     data = f"{config['train_size']} training images ({config['data']}), {data_line}"
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
+    tuned = config.get("fine_tune")  # --pretrained, --pretrained-path: a line of its own
+    tuning = f"\n{SCRIPT_INDENT}{tuned['loaded']}" if tuned else ""
+    if tuned and "frozen" in tuned:
+        tuning += f"\n{SCRIPT_INDENT}{tuned['frozen']}"
     return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "
-            f"{numerics}, {data}, {steps}, record in {output_dir}")
+            f"{numerics}, {data}, {steps}, record in {output_dir}{tuning}")
 
 
 class EpochMeter:

@@ -57,28 +57,29 @@ def read_metadata(path: Path) -> dict:
     return decoded
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict from our safetensors or from a torch.save'd file of another script.
+def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]:
+    """A state dict from our safetensors or from a torch.save'd file of another script (or library),
+    named by ``flag`` in the one line that refuses a file it cannot read.
 
     Accepts a plain state dict, one nested under "state_dict" or "model", and keys prefixed with
     ``module.`` (saved from a DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile).
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"--weights {path}: no such file")
+        raise UserError(f"{flag} {path}: no such file")
     try:
         if path.suffix == ".safetensors":
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise UserError(f"--weights {path}: cannot read it ({_plain(error)}); pass a "
+        raise UserError(f"{flag} {path}: cannot read it ({_plain(error)}); pass a "
                         f".safetensors file or a torch.save'd state dict") from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"--weights {path}: not a state dict of tensors")
+        raise UserError(f"{flag} {path}: not a state dict of tensors")
     return strip_wrapper_prefixes(state)
 
 
@@ -145,7 +146,8 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
                         # --ema-decay: the averaged weights, not the last step's
                         "weights": (f"ema {config['args']['ema_decay']}"
                                     if config["args"].get("ema_decay") else "live"),
-                        **{key: config[key] for key in EVALUATION if key in config}}
+                        # and where fine-tuned weights came from (--pretrained ...)
+                        **{key: config[key] for key in (*EVALUATION, "fine_tune") if key in config}}
             try:
                 save_weights(accelerator.unwrap_model(model), path, metadata)
             except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...

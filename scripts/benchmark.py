@@ -69,11 +69,11 @@ from pathlib import Path
 import torch
 
 from bench import loaders, steptimer, tools
-from common.cli import Parser, check_folder
+from common.cli import Parser
 from common.data.synthetic import make_synthetic
 from common.data.workers import default_workers
 from common.errors import UserError
-from common.files import write_json
+from common.files import check_folder, write_json
 from common.models import build_model
 from common.run_folder import new_run_dir
 

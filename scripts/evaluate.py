@@ -19,7 +19,8 @@ import dataclasses
 
 from accelerate import Accelerator
 
-from common.cli import Parser, add_data_args, check_data_args, check_model_name, data_options
+from common.cli import Parser, check_model_name
+from common.data_flags import add_data_args, check_data_args, data_options
 from common.errors import UserError
 from common.evaluation import evaluate
 from common.inputs import load_test_inputs

@@ -9,10 +9,10 @@ In order, on the first visible GPU and on all of them:
 1. checks: `pytest -m gpu tests/test_gpu.py`. Every training script on every path it has (1 GPU and
    all GPUs; fp32 with and without TF32, fp16, bf16; --compile; --sync-bn; --ema-decay; FSDP2;
    DataParallel, which checks the copies between GPUs first; check_gpus.py), and what must agree:
-   N-GPU DDP, DataParallel, FSDP2 and SyncBatchNorm against 1 GPU after fixed steps, stop + --resume under
-   --deterministic bit for bit, evaluate.py against the logged accuracy. The criteria and tolerances
-   are in tests/test_gpu.py and, with each check's figures, in the report. Multi-GPU checks are
-   skipped, with the reason, on 1 GPU.
+   N-GPU DDP, DataParallel, FSDP2 and SyncBatchNorm against 1 GPU after fixed steps, stop +
+   --resume under --deterministic bit for bit, evaluate.py against the logged accuracy. The
+   criteria and tolerances are in tests/test_gpu.py and, with each check's figures, in the
+   report. Multi-GPU checks are skipped, with the reason, on 1 GPU.
 2. the benchmark's GPU rows (scripts/benchmark.py, its protocol): ResNet-18 at 32 px on synthetic
    data, every script and precision on 1 GPU (batch 128, and 512 for the bf16 epoch target), then
    every row on all GPUs (FSDP2 beside DDP): img/s, the ratio to a plain PyTorch loop of the same
@@ -43,12 +43,12 @@ from xml.etree import ElementTree
 import torch
 
 from bench import tools
-from common.cli import Parser, check_folder
+from common.cli import Parser
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
-from common.files import write_json
+from common.files import check_folder, write_json
 from common.run_folder import new_run_dir
 from common.tracking import GB
 

@@ -34,7 +34,8 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
-from common.cli import RESUMABLE_FLAGS, build_parser, check_args, data_options
+from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, build_parser, check_args
+from common.data_flags import data_options
 from common.ema import WeightAverage
 from common.evaluation import evaluate
 from common.failures import refused_together
@@ -44,6 +45,7 @@ from common.models import build_model
 from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
 from common.output import survive_closed_output
+from common.pretrained import find_weights, fine_tune
 from common.run_folder import lock_run_and_find_resume
 from common.run_record import run_config, write_config
 from common.step_guard import StepGuard, announce_stop
@@ -96,8 +98,12 @@ def main(args):
                                                       __file__)
 
     # ------------------------------------------------------------------------------------ data
+    # --pretrained, --pretrained-path: the weights' file, found now (one line if it is missing)
+    weights = refused_together(accelerator, find_weights, args.model, args.pretrained,
+                               args.pretrained_path)
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
-    data = load_inputs(data_options(args), accelerator)
+    # (with pretrained weights at their input size, normalised with their mean and std)
+    data = load_inputs(data_options(args, weights), accelerator)
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
 
     # ------------------------------------------------------------- model, optimizer, schedule
@@ -106,9 +112,14 @@ def main(args):
                              data.image_size)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
+    # the pretrained weights loaded, their head swapped for the data's classes; --freeze backbone
+    tuned = refused_together(accelerator, fine_tune, model, weights, args.model, data.num_classes,
+                             data.image_size, args.freeze)
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]  # --optimizer's default
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
-    peak_lr = args.lr * args.batch_size / args.reference_batch_size if args.scale_lr else args.lr
-    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay)
+    peak_lr = lr * args.batch_size / args.reference_batch_size if args.scale_lr else lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay, args.optimizer,
+                                args.head_lr_scale)  # --head-lr-scale: the classifier's lr
     steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps, of micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
@@ -124,7 +135,8 @@ def main(args):
         "world_size": accelerator.num_processes, "device": str(accelerator.device),
         "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
-        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config})
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config,
+        **tuned})
     resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
     set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
     write_config(accelerator, output_dir, config)
@@ -157,6 +169,7 @@ def main(args):
                 disable=not accelerator.is_main_process), start=progress.step * args.grad_accum):
             # Augmentation drawn from (seed, micro-batch): a resumed run draws what the first drew.
             images = transform.train(images, (args.seed, micro_batch))
+            images, labels = data.mix(images, labels, micro_batch)  # --mixup, --cutmix: soft labels
             meter.wait.stop()
             # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided
             # by N); the optimizer, schedule and zero_grad act on the N-th only (sync_gradients).

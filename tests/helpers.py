@@ -14,7 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from torchvision.io import encode_jpeg
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -190,3 +192,28 @@ def tree_digest(folder: Path) -> dict:
     was written, changed or removed."""
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).rglob("*"))
             if p.is_file()}
+
+
+def image_folder(root: Path, train: int, val: int, classes: int, sizes=((32, 32),), variants: int = 8) -> Path:
+    """An ImageNet-layout folder, train/<class>/*.jpg and (val > 0) val/<class>/*.jpg, ``train`` and
+    ``val`` JPEGs spread evenly over the classes. Each class is a colour with noise, in ``variants``
+    versions (cycling through ``sizes``, (height, width)) encoded once and written many times: it is
+    the number of files that matters, and 20,000 files are written in a few seconds."""
+    gen = torch.Generator().manual_seed(0)
+    pool = []
+    for _ in range(classes):
+        colour = torch.randint(0, 256, (3, 1, 1), generator=gen).float()
+        versions = []
+        for v in range(variants):
+            h, w = sizes[v % len(sizes)]
+            noise = torch.randint(-40, 41, (3, h, w), generator=gen)
+            image = (colour + noise).clamp(0, 255).to(torch.uint8)
+            versions.append(encode_jpeg(image, quality=90).numpy().tobytes())
+        pool.append(versions)
+    for split, count in (("train", train), ("val", val)):
+        for label in range(classes):
+            folder = root / split / f"class{label}"
+            for i in range(label, count, classes):
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{i:06d}.jpg").write_bytes(pool[label][i // classes % variants])
+    return root

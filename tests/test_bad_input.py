@@ -194,6 +194,16 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_single", ["--weight-decay", "inf"], "--weight-decay inf: must be a number, 0 (none) or more"
            ", at most 3.4e+38 (float32's largest)"),
           ("train_amp", ["--label-smoothing", "1"], "--label-smoothing 1.0: must be 0 (none) or more and below 1"),
+          ("train_single", ["--random-erase", "1.5"], "--random-erase 1.5: must be a probability from 0 to 1, e.g. 0.25"),
+          ("train_ddp", ["--mixup", "-1"],
+           "--mixup -1.0: must be 0 (off) or a positive alpha of the Beta distribution, e.g. 0.2"),
+          ("train_dp", ["--cutmix", "inf"],
+           "--cutmix inf: must be 0 (off) or a positive alpha of the Beta distribution, e.g. 1.0"),
+          ("train_single", ["--auto-augment", "randaugment"],
+           "--auto-augment randaugment draws one policy per image, in the DataLoader workers: add --loader workers "
+           "(on a batch tensor torchvision applies one operation to every image)"),
+          ("train_amp", ["--head-lr-scale", "nan"],
+           "--head-lr-scale nan: must be a positive number, e.g. 10 (the classifier's lr 10 times the rest's)"),
           ("train_single", ["--warmup-epochs", "nan"],
            "--warmup-epochs nan: must be a number of epochs from 0 to --epochs 15"),
           ("train_dp", ["--epochs", "3", "--warmup-epochs", "4"],
@@ -220,9 +230,13 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
            "unknown torchvision model 'resnet51' in --model 'torchvision:resnet51' (closest: resnet50, resnet18, "
            "resnet152, resnet101, resnet34); NAME is any of torchvision.models.list_models(module=torchvision.models)"),
           ("evaluate", ["--weights", "w.safetensors", "--model", "resnet99"],
-           "unknown model 'resnet99': choose one of resnet18, resnet34, resnet50, resnet20, resnet32, resnet56, or "
+           "unknown model 'resnet99': choose one of resnet18, resnet34, resnet50, resnet20, resnet32, resnet56, "
            "torchvision:NAME (e.g. torchvision:resnet50) where NAME is any of "
-           "torchvision.models.list_models(module=torchvision.models)"),
+           "torchvision.models.list_models(module=torchvision.models), or timm:NAME (e.g. timm:resnet50) where "
+           "NAME is any of timm.list_models()"),
+          ("train_single", ["--model", "timm:zzzz"],  # no close name, whatever timm's version lists
+           "unknown timm model 'zzzz' in --model 'timm:zzzz' (e.g. resnet50, convnext_tiny); NAME is any of "
+           "timm.list_models(), with or without a pretrained tag"),
           ("train_single", ["--val-fraction", "nan"], "--val-fraction nan: must be between 0 and 1, e.g. 0.1"),
           ("train_dp", ["--loader-budget", "nan"], "--loader-budget nan: must be a number of GB, 0 or more"),
           ("train_single", ["--loader", "workers", "--loader-budget", "8"],

@@ -225,7 +225,8 @@ def test_usage_example_lr_is_the_default_schedule_at_that_step():
     train_size = int(re.search(r"([\d,]+) training images", intro).group(1).replace(",", ""))
     per_epoch = train_size // metrics["batch_size"]
     scale = metrics["batch_size"] / defaults.reference_batch_size if defaults.scale_lr else 1
-    optimizer = build_optimizer(torch.nn.Linear(1, 1), defaults.lr * scale, defaults.momentum,
+    lr = defaults.lr if defaults.lr is not None else importlib.import_module("common.cli").DEFAULT_LR[defaults.optimizer]
+    optimizer = build_optimizer(torch.nn.Linear(1, 1), lr * scale, defaults.momentum,
                                 defaults.weight_decay)
     scheduler = build_scheduler(optimizer, defaults.schedule, per_epoch * defaults.epochs,
                                 per_epoch, defaults.warmup_epochs, defaults.milestones)

@@ -146,7 +146,7 @@ def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
     schedule scaled to the new peak from the step it was at."""
     out = tmp_path / "run"
     assert finish(SINGLE, tmp_path, "--output-dir", out, "--max-steps", 8).returncode == 0
-    diverged = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "1e5")
+    diverged = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "1e9")
     assert diverged.returncode == 1
     error = last_error(diverged.stderr)
     assert re.fullmatch(rf"error: the loss is (nan|inf) at step \d+: .*the last good checkpoint is "

@@ -40,7 +40,7 @@ from helpers import ROOT, run
 from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
-from common.cli import build_parser, check_args, data_options
+from common.cli import build_parser, check_args
 from common.data import hub
 from common.data.cache import load_image_data
 from common.data.crops import resized_crop_box
@@ -49,6 +49,7 @@ from common.data.sources import open_source
 from common.data.splits import ImageData
 from common.data.transform import resized_crop_boxes
 from common.data.workers import SampleImages, augment, worker_loader
+from common.data_flags import data_options
 from common.errors import UserError
 from common.inputs import load_inputs
 

@@ -30,11 +30,11 @@ import psutil
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import ROOT, run, user_env, weights
+from helpers import ROOT, image_folder, run, user_env, weights
 from probe_counts import learnt, metadata, per_class, predictions, printed_per_class
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torchvision.io import ImageReadMode, decode_image, encode_jpeg
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from common.models import build_model
@@ -45,31 +45,6 @@ ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "ac
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 WORKERS = ["--loader", "workers", "--report-to", "none"]
 HELD_OUT = str(ROOT / "tests" / "probe_heldout.py")  # records the images a model was evaluated on
-
-
-def image_folder(root: Path, train: int, val: int, classes: int, sizes=((32, 32),), variants: int = 8) -> Path:
-    """An ImageNet-layout folder, train/<class>/*.jpg and (val > 0) val/<class>/*.jpg, ``train`` and
-    ``val`` JPEGs spread evenly over the classes. Each class is a colour with noise, in ``variants``
-    versions (cycling through ``sizes``, (height, width)) encoded once and written many times: it is
-    the number of files that matters, and 20,000 files are written in a few seconds."""
-    gen = torch.Generator().manual_seed(0)
-    pool = []
-    for _ in range(classes):
-        colour = torch.randint(0, 256, (3, 1, 1), generator=gen).float()
-        versions = []
-        for v in range(variants):
-            h, w = sizes[v % len(sizes)]
-            noise = torch.randint(-40, 41, (3, h, w), generator=gen)
-            image = (colour + noise).clamp(0, 255).to(torch.uint8)
-            versions.append(encode_jpeg(image, quality=90).numpy().tobytes())
-        pool.append(versions)
-    for split, count in (("train", train), ("val", val)):
-        for label in range(classes):
-            folder = root / split / f"class{label}"
-            for i in range(label, count, classes):
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / f"{i:06d}.jpg").write_bytes(pool[label][i // classes % variants])
-    return root
 
 
 def max_difference(a, b):

@@ -15,7 +15,9 @@
     cache       the decoded data cached on disk, one file per source and size: load_image_data
     crops       the augmentation both loaders draw: the crop for a size, its box, per-sample seeds
     stats       per-channel normalisation statistics of the training images
-    transform   a uint8 batch to normalised float on the device, with batched crop and flip
+    transform   a uint8 batch to normalised float on the device, with batched crop, flip and
+                random erasing
+    mixing      MixUp and CutMix of a training batch, the labels turned into class shares
     device      the device loader: the decoded dataset held on the training device
     workers     the workers loader: DataLoader workers decode and augment a sample at a time
     choice      which loader (--loader auto): the decoded size against the memory budget

@@ -1,8 +1,9 @@
 """DataOptions: the values the input path is given, the data flags' and a few training flags'.
 
-common.cli.data_options(args) makes one from the parsed flags. Nothing in common/ reads the
-argparse namespace itself, so what the input path depends on is this one record. The cache
-folder, --cache-dir or its default, is found and made here too: cache_folder(options.cache_dir).
+common.data_flags.data_options(args) makes one from the parsed flags. Nothing in common/ but the
+flag modules (cli, data_flags) reads the argparse namespace, so what the input path depends on is
+this one record. The cache folder, --cache-dir or its default, is found and made here too:
+cache_folder(options.cache_dir).
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ from common.errors import UserError, first_line
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
-    """The data flags (common.cli.add_data_args), then the training flags the loaders read."""
+    """The data flags (common.data_flags), then the training flags the loaders read."""
 
     dataset: str  # cifar10, cifar100, synthetic or a Hub id (owner/name)
     data_dir: str | None  # a local copy, read instead of the Hub
@@ -27,12 +28,18 @@ class DataOptions:
     bad_images: str  # stop or skip
     synthetic_train_size: int
     synthetic_test_size: int
+    # Pretrained weights' {"mean": [...], "std": [...]}; None: the training images' own statistics
+    normalization: dict | None = None
     # Training only: scripts/evaluate.py, which builds no training loader, keeps these defaults.
     seed: int = 0  # shuffling, augmentation and the --val-fraction draw
     batch_size: int | None = None  # global: images per optimizer step over all processes
     grad_accum: int = 1  # micro-batches per optimizer step
     augment: bool = False  # random crops and flips of the training batches
     channels_last: bool = False  # NHWC batches, for a channels_last model
+    auto_augment: str = "none"  # randaugment, trivialaugment: per image, in the workers
+    random_erase: float = 0.0  # probability of erasing a rectangle of each training image
+    mixup: float = 0.0  # MixUp's alpha (0: off)
+    cutmix: float = 0.0  # CutMix's alpha (0: off)
 
 
 def default_cache_dir() -> str:

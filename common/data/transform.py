@@ -34,10 +34,11 @@ class BatchTransform:
     """
 
     def __init__(self, mean, std, augment: bool = True, padding: int = PADDING,
-                 channels_last: bool = False):
+                 channels_last: bool = False, erase: float = 0.0):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.augment = augment
+        self.erase = erase  # --random-erase: the probability of erasing a rectangle of an image
         self.padding = padding
         # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -49,12 +50,15 @@ class BatchTransform:
         e.g. (run seed, step)), not from the global RNG, so a resumed run draws exactly what the
         uninterrupted run drew for that batch.
         """
-        if not self.augment:
+        if not (self.augment or self.erase):
             return self.normalize(images)
         generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
-        if crop_mode(max(images.shape[-2:])) == "resized":
-            return self.normalize(self.resized_crop_and_flip(images, generator))
-        return self.normalize(self.crop_and_flip(images, generator))
+        if self.augment and crop_mode(max(images.shape[-2:])) == "resized":
+            images = self.resized_crop_and_flip(images, generator)
+        elif self.augment:
+            images = self.crop_and_flip(images, generator)
+        images = self.normalize(images)
+        return erase_rectangles(images, self.erase, generator) if self.erase else images
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:
         return self.normalize(images)
@@ -115,6 +119,27 @@ class BatchTransform:
                            dim=-1)
         return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear",
                                                padding_mode="border", align_corners=False)
+
+
+def erase_rectangles(images: torch.Tensor, probability: float,
+                     generator: torch.Generator) -> torch.Tensor:
+    """torchvision's RandomErasing with its defaults (2 % to 33 % of the area, aspect ratio 0.3 to
+    3.3, value 0: the mean, once normalised) for each image of a float batch with ``probability``,
+    drawn for the whole batch at once. A box that does not fit, clipped at the borders (torchvision
+    tries 10 times, then erases nothing)."""
+    b, _, h, w = images.shape
+    device = images.device
+    uniform = torch.rand(b, 5, device=device, generator=generator)
+    area = h * w * (0.02 + (1 / 3 - 0.02) * uniform[:, 0])
+    aspect = torch.exp(math.log(0.3) + (math.log(1 / 0.3) - math.log(0.3)) * uniform[:, 1])
+    box_h, box_w = (area * aspect).sqrt().clamp(max=h), (area / aspect).sqrt().clamp(max=w)
+    top, left = uniform[:, 2] * (h - box_h), uniform[:, 3] * (w - box_w)
+    rows = torch.arange(h, device=device).view(1, h, 1)
+    cols = torch.arange(w, device=device).view(1, 1, w)
+    inside = ((rows >= top.view(b, 1, 1)) & (rows < (top + box_h).view(b, 1, 1))
+              & (cols >= left.view(b, 1, 1)) & (cols < (left + box_w).view(b, 1, 1)))
+    erased = inside & (uniform[:, 4] < probability).view(b, 1, 1)
+    return images.masked_fill_(erased.unsqueeze(1), 0.0)
 
 
 def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Generator):

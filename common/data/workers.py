@@ -25,10 +25,25 @@ from torchvision.transforms import v2
 from common.data.crops import PADDING, crop_mode, resized_crop_box, sample_seed
 from common.data.images import BadImage, decode, fit
 
+# --auto-augment: torchvision's policies, one operation (or two) drawn per image
+POLICIES = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide}
 
-def augment(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
+
+def augment(image: torch.Tensor, size: int, rng: random.Random, policy=None,
+            crop: bool = True) -> torch.Tensor:
     """A training view (3, size, size) of a uint8 image, every random number drawn from ``rng``: the
-    crop of crop_mode(size), then a horizontal flip half the time."""
+    crop of crop_mode(size) and a horizontal flip half the time (``crop``; else the evaluation
+    view), then ``policy`` (RandAugment ...), whose draws from torch's generator are seeded from
+    ``rng`` and leave that generator as it was."""
+    image = crop_and_flip(image, size, rng) if crop else fit(image, size)
+    if policy is None:
+        return image
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.getrandbits(63))
+        return policy(image)
+
+
+def crop_and_flip(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
     if crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
         image = v2.functional.pad(fit(image, size), [PADDING])  # zeros, as torchvision's RandomCrop
         top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
@@ -48,9 +63,10 @@ class SampleImages(Dataset):
     """
 
     def __init__(self, split, size: int, train: bool, augment: bool = True, seed: int = 0,
-                 skip_bad: bool = False):
+                 skip_bad: bool = False, auto_augment: str = "none"):
         self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
         self.augment = train and augment
+        self.policy = POLICIES[auto_augment]() if train and auto_augment != "none" else None
         self.skipped = set()  # images this process (a worker, each its own) has warned of
 
     def __len__(self):
@@ -59,8 +75,9 @@ class SampleImages(Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         image, read = self.read(index)  # read != index: a bad image skipped, the next in its place
-        if self.augment:  # the same view whatever worker or process reads the sample, in every run
-            image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)))
+        if self.augment or self.policy:  # the same view whatever worker or process reads it
+            image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)),
+                            self.policy, crop=self.augment)
         else:
             image = fit(image, self.size)
         return image, int(self.split.labels[read])
@@ -157,14 +174,15 @@ def _exiting():
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int,
                   augment: bool = True, seed: int = 0, process: int = 0, pin_memory: bool = False,
-                  skip_bad: bool = False) -> DataLoader:
+                  skip_bad: bool = False, auto_augment: str = "none") -> DataLoader:
     """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by
     ``workers`` processes.
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
     keep every image in order. Workers stay up between epochs (persistent_workers).
     """
-    dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad)
+    dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad,
+                           auto_augment=auto_augment)
     return DataLoader(dataset, batch_size=batch_size,
                       sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0,

@@ -1,0 +1,266 @@
+"""Pretrained weights for fine-tuning: found offline, loaded with the head swapped, the inputs they
+expect.
+
+    weights = find_weights(args.model, args.pretrained, args.pretrained_path)  # None: random init
+    data = load_inputs(data_options(args, weights), accelerator)  # their size, mean and std
+    model = build_model(args.model, data.num_classes, data.image_size)
+    tuned = fine_tune(model, weights, args.model, data.num_classes, args.freeze)  # for config.json
+
+Where the weights come from:
+- ``timm:NAME --pretrained``: the Hugging Face cache (HF_HUB_CACHE, ~/.cache/huggingface/hub), the
+  file timm itself would load (``hf_hub_id`` of the model's pretrained config); downloaded into it
+  when the Hub can be reached.
+- ``torchvision:NAME --pretrained``: $TORCH_HOME/hub/checkpoints/<the file name of the weights'
+  URL>, where torchvision itself keeps them; downloaded there when the URL can be reached.
+- ``--pretrained-path FILE``: a safetensors file or a torch state dict (also one nested under
+  "state_dict" or "model", or saved with DDP's "module." or torch.compile's "_orig_mod."). timm's
+  and torchvision's ResNets share their keys, so either library's file loads into either.
+Without the file and without a network, one line says where the file must be: never a hang, never
+a silent random init.
+
+The inputs: mean, std, input size and interpolation come from the weights' own config (timm's
+pretrained config, torchvision's weight transforms, or the metadata of one of our runs'
+model.safetensors), so a run normalises as the weights were trained, not with its folder's
+statistics. Our data path resizes with bilinear interpolation (antialiased) whatever the weights
+say; their interpolation is recorded with the rest in config.json.
+"""
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.errors import UserError, first_line
+from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, classifier_name
+from common.weights import load_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A state dict file to start from, and the inputs it was trained on (None: not known)."""
+
+    file: Path
+    source: str  # where it was found, for the start line and config.json
+    # per channel, in the 0..255 scale of our data path (the libraries give them in 0..1)
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    input_size: int | None = None
+    interpolation: str | None = None
+
+    @property
+    def normalization(self) -> dict | None:
+        if self.mean is None:
+            return None
+        return {"mean": list(self.mean), "std": list(self.std)}
+
+    @property
+    def config(self) -> dict:
+        """What config.json records of them."""
+        return {"file": str(self.file), "source": self.source, "input_size": self.input_size,
+                "interpolation": self.interpolation, "normalization": self.normalization}
+
+
+def check_fine_tuning(pretrained: bool, path: str | None, freeze: str, head_lr_scale: float):
+    """The fine-tuning flags: weights from one place, a frozen backbone only of pretrained weights,
+    a head lr scale that is a positive number (a UserError otherwise)."""
+    if pretrained and path:
+        raise UserError(f"--pretrained and --pretrained-path {path}: both name the weights to "
+                        f"start from; pass one")
+    if freeze == "backbone" and not (pretrained or path):
+        raise UserError("--freeze backbone: a backbone of random weights, frozen, learns nothing; "
+                        "add --pretrained or --pretrained-path FILE, or drop --freeze")
+    if not 0 < head_lr_scale < math.inf:
+        raise UserError(f"--head-lr-scale {head_lr_scale}: must be a positive number, e.g. 10 "
+                        f"(the classifier's lr 10 times the rest's)")
+
+
+def find_weights(model: str, pretrained: bool, path: str | None) -> Weights | None:
+    """The weights --pretrained or --pretrained-path name for --model ``model``, found or
+    downloaded now, so that a run without them stops before it loads any data (a UserError)."""
+    if path is not None:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise UserError(f"--pretrained-path {path}: no such file; pass a safetensors file or a "
+                            f"torch state dict")
+        return Weights(file, "--pretrained-path", **_inputs_of_file(file, model))
+    if not pretrained:
+        return None
+    if model.startswith(TIMM_PREFIX):
+        return _timm_weights(model.removeprefix(TIMM_PREFIX))
+    if model.startswith(TORCHVISION_PREFIX):
+        return _torchvision_weights(model.removeprefix(TORCHVISION_PREFIX))
+    raise UserError(f"--pretrained: --model {model} has no published weights (a CIFAR-stem "
+                    f"ResNet of this project); pass --pretrained-path FILE (an earlier run's "
+                    f"model.safetensors), or a timm:NAME or torchvision:NAME model")
+
+
+def _timm_weights(name: str) -> Weights:
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name)
+    if cfg is None or not cfg.hf_hub_id:
+        raise UserError(f"--pretrained: timm has no weights on the Hugging Face Hub for {name}; "
+                        f"pick a model of timm.list_models(pretrained=True), or pass "
+                        f"--pretrained-path FILE")
+    repo, names = cfg.hf_hub_id, [cfg.hf_hub_filename or "model.safetensors", "pytorch_model.bin"]
+    cached = [try_to_load_from_cache(repo, n) for n in names]
+    file = next((Path(c) for c in cached if isinstance(c, str)), None)
+    if file is None:
+        try:  # the Hub's own timeouts (HF_HUB_ETAG_TIMEOUT, 10 s) bound the wait
+            file = Path(hf_hub_download(repo, names[0]))
+        except Exception as error:  # noqa: BLE001 - offline, unreachable, unknown file: one line
+            raise UserError(
+                f"--pretrained: the weights of timm:{name} are not in the Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) and cannot be downloaded ({first_line(error)}): "
+                f"put {names[0]} of https://huggingface.co/{repo} there (on a machine with a "
+                f"network: python -c \"import timm; timm.create_model('{name}', "
+                f"pretrained=True)\", then copy the cache), or pass --pretrained-path FILE"
+            ) from None
+    return Weights(file, f"timm {repo}", **_timm_inputs(cfg))
+
+
+def _timm_inputs(cfg) -> dict:
+    return {"mean": _scaled(cfg.mean), "std": _scaled(cfg.std), "input_size": cfg.input_size[-1],
+            "interpolation": cfg.interpolation}
+
+
+def _scaled(values) -> tuple[float, ...]:
+    """Statistics of 0..1 pixels (timm's, torchvision's) in the 0..255 scale of uint8 images."""
+    return tuple(255 * v for v in values)
+
+
+def _torchvision_weights(name: str) -> Weights:
+    import torchvision
+
+    default = torchvision.models.get_model_weights(name).DEFAULT
+    file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(default.url)
+    if not file.is_file():
+        try:
+            torch.hub.load_state_dict_from_url(default.url, progress=False, check_hash=True)
+        except Exception as error:  # noqa: BLE001 - offline, unreachable, a bad download
+            raise UserError(
+                f"--pretrained: the weights of torchvision:{name} ({default}) are not at {file} "
+                f"and cannot be downloaded ({first_line(error)}): put {default.url} there (or "
+                f"set TORCH_HOME to the folder holding hub/checkpoints/), or pass "
+                f"--pretrained-path FILE") from None
+    return Weights(file, f"torchvision {default}", **_torchvision_inputs(default))
+
+
+def _torchvision_inputs(weights) -> dict:
+    preset = weights.transforms()
+    return {"mean": _scaled(preset.mean), "std": _scaled(preset.std),
+            "input_size": preset.crop_size[0], "interpolation": preset.interpolation.value}
+
+
+def _inputs_of_file(file: Path, model: str) -> dict:
+    """The inputs of a --pretrained-path file: the metadata of one of our runs' model.safetensors,
+    else the library's default weights for the architecture, else unknown (the data's own)."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), "pt") as f:
+            stored = f.metadata() or {}
+        if "normalization" in stored:
+            normalization = json.loads(stored["normalization"])
+            return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
+                    "input_size": json.loads(stored.get("image_size", "[null]"))[0]}
+    if model.startswith(TIMM_PREFIX):
+        from timm.models import get_pretrained_cfg
+        cfg = get_pretrained_cfg(model.removeprefix(TIMM_PREFIX))
+        return _timm_inputs(cfg) if cfg is not None else {}
+    if model.startswith(TORCHVISION_PREFIX):
+        import torchvision
+        name = model.removeprefix(TORCHVISION_PREFIX)
+        return _torchvision_inputs(torchvision.models.get_model_weights(name).DEFAULT)
+    return {}
+
+
+def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, num_classes: int,
+              image_size: int, freeze: str) -> dict:
+    """``weights`` loaded into ``model`` (load_pretrained), its backbone frozen if ``freeze`` is
+    "backbone" (freeze_backbone): {"fine_tune": what was done, for config.json and the start
+    line}, or {} for a model of random weights. Images of another ``image_size`` than the weights
+    were trained at (--image-size wins) are said in the same line, as a warning."""
+    if weights is None:
+        return {}
+    done = {**weights.config, "loaded": load_pretrained(model, weights, model_name, num_classes)}
+    if weights.input_size and image_size != weights.input_size:
+        done["loaded"] += (f"; warning: the weights were trained on {weights.input_size} px "
+                           f"images and --image-size {image_size} differs: accuracy may suffer")
+    if freeze == "backbone":
+        done["frozen"] = freeze_backbone(model, num_classes)
+    return {"fine_tune": done}
+
+
+def load_pretrained(model: torch.nn.Module, weights: Weights | None, model_name: str,
+                 num_classes: int) -> str | None:
+    """Load ``weights`` into ``model`` (built for ``num_classes``): strictly, except the classifier
+    when the file's has another number of classes (or none), which keeps its new random init. The
+    line that says so; None without weights. A file of another model is a UserError naming the
+    tensors that do not fit."""
+    if weights is None:
+        return None
+    flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
+    state, own = load_weights(weights.file, flag), model.state_dict()
+    head = classifier_name(model, num_classes)
+    head_keys = {k for k in own if k.startswith(f"{head}.")}
+    file_head = {k: v for k, v in state.items() if k in head_keys}
+    swap = len(file_head) < len(head_keys) or any(v.shape != own[k].shape
+                                                  for k, v in file_head.items())
+    if swap:
+        state = {k: v for k, v in state.items() if k not in head_keys}
+    missing = [k for k in own if k not in state and not (swap and k in head_keys)]
+    unexpected = [k for k in state if k not in own]
+    reshaped = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or reshaped:
+        parts = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for keys, what in ((missing, "missing"), (unexpected, "not in the model"),
+                                    (reshaped, "of another shape")) if keys]
+        raise UserError(f"the weights in {weights.file} do not fit --model {model_name}: tensors "
+                        f"{'; '.join(parts)}; pass weights of this architecture")
+    model.load_state_dict(state, strict=not swap)
+    said = f"weights from {weights.source} ({weights.file})"
+    if not swap:
+        return f"{said}, the head {head} kept ({num_classes} classes)"
+    weight = file_head.get(f"{head}.weight")
+    was = f"{weight.shape[0]} classes" if weight is not None else "none"
+    return f"{said}; head {head} swapped: {was} -> {num_classes} classes, newly initialised"
+
+
+def freeze_backbone(model: torch.nn.Module, num_classes: int) -> str:
+    """Every parameter but the classifier's frozen, and every BatchNorm outside it held in eval
+    mode: requires_grad alone does not stop BatchNorm's running statistics, which train() updates
+    from each batch. Call it before the optimizer is built and before prepare, so the optimizer
+    holds the head only and DDP needs no find_unused_parameters. The line that says so."""
+    head = classifier_name(model, num_classes)
+    frozen = 0
+    for name, parameter in model.named_parameters():
+        if not name.startswith(f"{head}."):
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and \
+                not name.startswith(f"{head}."):
+            module.__class__ = _frozen_class(type(module))
+            module.eval()
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"--freeze backbone: {frozen:,} parameters frozen, {trained:,} trained (the head {head})"
+
+
+_FROZEN = {}
+
+
+def _frozen_class(cls: type) -> type:
+    """``cls`` (a BatchNorm class) whose train() keeps it in eval mode: the same module and state
+    dict, normalising with the running statistics it was given."""
+    if cls not in _FROZEN:
+        _FROZEN[cls] = type(f"Frozen{cls.__name__}", (cls,), {"train": _eval_only,
+                                                               "__module__": __name__})
+    return _FROZEN[cls]
+
+
+def _eval_only(self, mode: bool = True):
+    return torch.nn.Module.train(self, False)

@@ -1,0 +1,240 @@
+"""Fine-tuning: --pretrained, --pretrained-path, --freeze backbone, --head-lr-scale, --optimizer.
+
+No weights are downloaded and no accuracy is claimed from them: the "pretrained" weights are made
+here from a seed (timm's and torchvision's ResNet-18 with its 1000-way ImageNet head), saved as a
+file, put where the libraries keep their caches when a test needs that, and every run sees an
+offline Hub (HF_HUB_OFFLINE=1) and its own empty HF_HOME and TORCH_HOME. The data is a 3-class
+image folder made here. What is checked is what a user relies on: every tensor but the head is the
+file's, the head has the folder's classes, the inputs are normalised with the weights' statistics
+(not the folder's), a frozen backbone and its BatchNorm statistics do not move, the parameter
+groups, and one line for each way the weights can be missing or wrong.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torchvision
+from helpers import ROOT, image_folder, run, weights
+from probe_counts import per_class, predictions, printed_per_class
+from safetensors.torch import load_file, save_file
+from torchvision.io import decode_image
+
+from common.data.stats import channel_stats
+
+CLASSES = 3
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# ImageNet-stem ResNet-18 at 32 px (the weights say 224: --image-size wins, with a warning), 72
+# training images of 3 classes: 3 steps an epoch.
+FLAGS = ["--model", "timm:resnet18", "--image-size", "32", "--batch-size", "24", "--reference-batch-size",
+         "24", "--epochs", "2", "--report-to", "none"]
+ACCELERATE = (str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2")
+PROBE = (sys.executable, str(ROOT / "tests" / "probe_fine_tune.py"))
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    """(root, data folder, weights file, offline environment)."""
+    root = tmp_path_factory.mktemp("fine-tune")
+    data = image_folder(root / "data", train=72, val=24, classes=CLASSES)
+    torch.manual_seed(1)
+    save_file(timm.create_model("resnet18", num_classes=1000).state_dict(), root / "imagenet.safetensors")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(root / "hf"), "TORCH_HOME": str(root / "torch")}
+    return root, data, root / "imagenet.safetensors", offline
+
+
+def train(place, script, out, *extra, launcher=(sys.executable,), own_caches=False):
+    """A run on the folder; with ``own_caches`` in the empty HF_HOME and TORCH_HOME of ``place``
+    (a cold start: they are read at import), else forked warm (tests/zygote.py), the Hub offline."""
+    root, data, _, offline = place
+    env = offline if own_caches else {"HF_HUB_OFFLINE": "1"}
+    return run(script, *FLAGS, "--data-dir", data, "--output-dir", out, *extra, cwd=root, launcher=launcher,
+               env_extra={**env, "PROBE_FILE": str(out)})
+
+
+def untouched_network(place) -> None:
+    """Nothing was downloaded or cached: the runs' Hugging Face home and TORCH_HOME hold no file."""
+    root = place[0]
+    assert not [p for p in (root / "hf").rglob("*") if p.is_file()]
+    assert not [p for p in (root / "torch").rglob("*") if p.is_file()]
+
+
+def is_head(key: str) -> bool:
+    return key.startswith("fc.")
+
+
+@pytest.fixture(scope="module")
+def frozen(place):
+    """2-process DDP, the backbone frozen."""
+    out = place[0] / "frozen"
+    done = train(place, "train_ddp.py", out, "--pretrained-path", place[2], "--freeze", "backbone",
+                 launcher=ACCELERATE, own_caches=True)
+    return out, done
+
+
+def test_a_frozen_backbone_and_its_batchnorm_statistics_do_not_move_under_ddp(place, frozen):
+    out, done = frozen
+    source, final = load_file(str(place[2])), weights(out)
+    assert sorted(final) == sorted(source)
+    moved = [k for k in source if not is_head(k) and not torch.equal(final[k], source[k])]
+    assert not moved, moved[:5]  # weights, BatchNorm running statistics and their counts
+    assert any(k.endswith("running_mean") for k in source)
+    assert final["fc.weight"].shape == (CLASSES, 512) and final["fc.bias"].shape == (CLASSES,)
+    assert "head fc swapped: 1000 classes -> 3 classes, newly initialised" in done.stdout
+    assert "--freeze backbone: 11,176,512 parameters frozen, 1,539 trained (the head fc)" in done.stdout
+    assert "the weights were trained on 224 px images and --image-size 32 differs" in done.stdout
+    untouched_network(place)
+
+
+def test_inputs_are_normalised_as_the_weights_expect_and_evaluate_needs_nothing_more(place, frozen):
+    out, _ = frozen
+    config = json.loads((out / "config.json").read_text())
+    expected = {"mean": [255 * m for m in IMAGENET_MEAN], "std": [255 * s for s in IMAGENET_STD]}
+    for key in ("mean", "std"):
+        assert config["normalization"][key] == pytest.approx(expected[key], rel=1e-6)
+    images = torch.stack([decode_image(str(p)) for p in sorted((place[1] / "train").rglob("*.jpg"))])
+    folder_mean, _ = channel_stats(images)
+    assert max(abs(a - b) for a, b in zip(folder_mean, config["normalization"]["mean"])) > 5  # not the folder's
+    tuned = config["fine_tune"]
+    assert tuned["source"] == "--pretrained-path" and tuned["input_size"] == 224
+    assert tuned["interpolation"] == "bicubic" and config["image_size"] == [32, 32]
+    # evaluate.py reads the weights' normalisation from model.safetensors: the count made here agrees
+    done = run("evaluate.py", "--weights", out / "model.safetensors", "--data-dir", place[1], cwd=place[0])
+    test = sorted((place[1] / "val").rglob("*.jpg"))
+    images = torch.stack([decode_image(str(p)) for p in test])
+    labels = torch.tensor([int(p.parent.name.removeprefix("class")) for p in test])
+    counts = per_class(predictions(out / "model.safetensors", images), labels, CLASSES)
+    assert printed_per_class(done.stdout) == counts
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["test_acc"] == sum(c for c, _ in counts) / len(test)
+
+
+@pytest.fixture(scope="module")
+def tuned(place):
+    """One process, nothing frozen, AdamW with the head at 10x the lr; the probe keeps step 0."""
+    out = place[0] / "tuned"
+    done = train(place, "train_single.py", out, "--pretrained-path", place[2], "--optimizer", "adamw",
+                 "--head-lr-scale", "10", "--weight-decay", "0.05", "--checkpoint-every", "1",
+                 "--keep-checkpoints", "10", launcher=PROBE)
+    return out, done, torch.load(f"{out}.pt")
+
+
+def test_every_tensor_but_the_head_is_the_file_s_at_step_zero(place, tuned):
+    out, _, probe = tuned
+    source, start = load_file(str(place[2])), probe["state"]
+    assert sorted(start) == sorted(source)
+    assert all(torch.equal(start[k], source[k]) for k in source if not is_head(k))
+    assert start["fc.weight"].shape == (CLASSES, 512)
+    final = weights(out)  # nothing frozen: the backbone trained
+    assert any(not torch.equal(final[k], source[k]) for k in source if k.endswith("conv1.weight"))
+
+
+def test_parameter_groups_decay_weights_only_and_give_the_head_its_lr(tuned):
+    _, done, probe = tuned
+    assert probe["optimizer"] == "AdamW"
+    model = timm.create_model("resnet18", num_classes=CLASSES)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    seen = [n for group in probe["groups"] for n in group["names"]]
+    assert sorted(seen) == sorted(shapes)  # every parameter, once
+    base = min(group["lr"] for group in probe["groups"])
+    for group in probe["groups"]:
+        one_dimensional = {len(shapes[n]) == 1 for n in group["names"]}
+        assert len(one_dimensional) == 1  # norm and bias parameters apart from the weights
+        assert group["weight_decay"] == (0.0 if one_dimensional == {True} else 0.05)
+        head = {is_head(n) for n in group["names"]}
+        assert len(head) == 1 and group["lr_scale"] == (10 if head == {True} else 1)
+        assert group["lr"] == pytest.approx(base * group["lr_scale"])
+    assert "lr 0.001," in done.stdout  # AdamW's default lr (batch 24 = --reference-batch-size)
+
+
+def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, tuned, tmp_path):
+    out = tmp_path / "run"
+    common = ["--pretrained-path", place[2], "--optimizer", "adamw", "--head-lr-scale", "10", "--weight-decay",
+              "0.05", "--checkpoint-every", "1"]
+    train(place, "train_single.py", out, *common, "--max-steps", "4")
+    done = train(place, "train_single.py", out, *common, "--resume")
+    assert "resumed from" in done.stdout and "step 4" in done.stdout
+    ours, theirs = weights(out), weights(tuned[0])
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+# ---------------------------------------------------------------- the libraries' caches, offline
+
+def test_pretrained_reads_timm_weights_from_the_hugging_face_cache(place, tmp_path):
+    """The file where huggingface_hub keeps it (models--timm--NAME/snapshots/REV/, refs/main), as a
+    download by timm leaves it; loaded without asking the Hub."""
+    _, data, file, offline = place
+    hf = tmp_path / "hf"
+    repo = hf / "hub" / "models--timm--resnet18.a1_in1k"
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "snapshots" / revision / "model.safetensors").write_bytes(file.read_bytes())
+    out = tmp_path / "run"
+    done = run("train_single.py", *FLAGS, "--data-dir", data, "--output-dir", out, "--pretrained", "--freeze",
+               "backbone", "--max-steps", "1", cwd=tmp_path, env_extra={**offline, "HF_HOME": str(hf)})
+    assert "weights from timm timm/resnet18.a1_in1k" in done.stdout
+    source, final = load_file(str(file)), weights(out)
+    assert all(torch.equal(final[k], source[k]) for k in source if not is_head(k))
+
+
+def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path):
+    """torchvision's file name in $TORCH_HOME/hub/checkpoints/, its keys loaded into torchvision's
+    ResNet-18; the weights' preset (bilinear, 224 px) recorded."""
+    _, data, _, offline = place
+    torch.manual_seed(2)
+    state = torchvision.models.resnet18().state_dict()
+    url = torchvision.models.ResNet18_Weights.DEFAULT.url
+    checkpoints = tmp_path / "torch" / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    torch.save(state, checkpoints / Path(url).name)
+    out = tmp_path / "run"
+    flags = [*FLAGS[FLAGS.index("--image-size"):], "--model", "torchvision:resnet18"]
+    run("train_single.py", *flags, "--data-dir", data, "--output-dir", out, "--pretrained", "--freeze", "backbone",
+        "--max-steps", "1", cwd=tmp_path, env_extra={**offline, "TORCH_HOME": str(tmp_path / "torch")})
+    final = weights(out)
+    assert all(torch.equal(final[k], state[k]) for k in state if not is_head(k))
+    tuned = json.loads((out / "config.json").read_text())["fine_tune"]
+    assert tuned["interpolation"] == "bilinear" and tuned["input_size"] == 224
+
+
+@pytest.mark.parametrize("model, where", [
+    ("timm:resnet18", "are not in the Hugging Face cache ({hf}/hub) and cannot be downloaded"),
+    ("torchvision:resnet18", "are not at {torch}/hub/checkpoints/resnet18-f37072fd.pth and cannot be downloaded"),
+])
+def test_pretrained_without_a_cached_file_is_one_line_at_once(place, tmp_path, model, where):
+    _, data, _, offline = place
+    done = run("train_single.py", "--model", model, "--pretrained", "--data-dir", data, "--report-to", "none",
+               cwd=tmp_path, env_extra={**offline, "HF_HOME": str(tmp_path / "hf"),
+                                        "TORCH_HOME": str(tmp_path / "torch")}, check=False)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    expected = where.format(hf=tmp_path / "hf", torch=tmp_path / "torch")
+    assert lines[0].startswith("error: --pretrained: the weights of ") and expected in lines[0], lines[0]
+    assert lines[0].endswith("or pass --pretrained-path FILE")
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and ".cache" not in p.parts]
+    assert not written and not (tmp_path / "runs").exists()  # no run folder, nothing downloaded
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "timm:resnet34", "--pretrained-path", "{file}"],
+     r"error: the weights in \S+ do not fit --model timm:resnet34: tensors \d+ missing \(layer1\.2\."),
+    (["--model", "resnet20", "--pretrained"], r"error: --pretrained: --model resnet20 has no published weights"),
+    (["--freeze", "backbone"], r"error: --freeze backbone: a backbone of random weights, frozen, learns nothing"),
+    (["--pretrained", "--pretrained-path", "{file}"], r"error: --pretrained and --pretrained-path \S+: both"),
+    (["--pretrained-path", "nothing-here.pt"], r"error: --pretrained-path nothing-here.pt: no such file"),
+    (["--head-lr-scale", "0"], r"error: --head-lr-scale 0.0: must be a positive number"),
+])
+def test_wrong_weights_and_flags_are_one_line(place, tmp_path, flags, message):
+    _, data, file, _ = place
+    flags = [f.format(file=file) for f in flags]
+    done = run("train_single.py", *FLAGS, "--data-dir", data, *flags, cwd=tmp_path,
+               env_extra={"HF_HUB_OFFLINE": "1"}, check=False)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and re.match(message, lines[0]), done.stderr
