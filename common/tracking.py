@@ -43,6 +43,9 @@ DEFAULT_PROJECT = "multigpu-cifar"
 START_TIMEOUT = 60
 TENSORBOARD_DIR = "tensorboard"  # under --output-dir: tensorboard --logdir RUN/tensorboard
 MLFLOW_DB = "mlflow.db"  # under --output-dir: mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db
+# MLflow's longest param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH): Accelerate would
+# drop a longer one (1,000 class names) with a warning that prints it whole; config.json has it all.
+MAX_PARAM_CHARS = 6000
 MLFLOW_ARTIFACTS = "mlflow-artifacts"  # under --output-dir: the experiment's (the scripts log none)
 
 
@@ -190,14 +193,15 @@ def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
 
 def flat_config(config: dict, prefix: str = "") -> dict:
     """``config`` as the flat values TensorBoard's hparams and MLflow's params take: nested keys
-    joined by "/", lists as text, None left out."""
+    joined by "/", lists as text, None left out, text cut to MAX_PARAM_CHARS."""
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
             flat.update(flat_config(value, f"{prefix}{key}/"))
         elif value is not None:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) \
-                else str(value)
+            value = value if isinstance(value, (bool, int, float)) else str(value)
+            too_long = isinstance(value, str) and len(value) > MAX_PARAM_CHARS
+            flat[f"{prefix}{key}"] = value[:MAX_PARAM_CHARS - 3] + "..." if too_long else value
     return flat
 
 

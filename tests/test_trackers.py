@@ -122,3 +122,13 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
         assert accelerator.trackers == [] and mlflow.active_run() is None
     finally:  # a run left open would be ended at exit, in a ./mlflow.db (the variable gone by then)
         mlflow.end_run()
+
+
+def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():
+    from common.tracking import MAX_PARAM_CHARS, flat_config
+
+    flat = flat_config({"args": {"lr": 0.1, "milestones": [4, 9], "resume": None, "tf32": True},
+                        "classes": ["airplane"] * 1000})  # 1,000 class names: over MLflow's limit
+    assert flat["args/lr"] == 0.1 and flat["args/milestones"] == "[4, 9]" and flat["args/tf32"] is True
+    assert "args/resume" not in flat
+    assert len(flat["classes"]) == MAX_PARAM_CHARS and flat["classes"].endswith("...")
