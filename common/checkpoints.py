@@ -349,12 +349,13 @@ class TrainProgress:
     ``step`` counts optimizer steps over the whole run; ``batch_in_epoch`` lets a resumed run skip
     the batches of the current epoch it has already trained on; ``history`` holds the metrics of
     finished epochs, so metrics.jsonl can be rewritten to match the checkpoint being resumed;
-    ``tracker_run_id`` is the wandb run a resumed job keeps logging to.
+    ``tracker_run_id`` and ``mlflow_run_id`` are the wandb and MLflow runs a resumed job keeps
+    logging to (wandb's id is chosen before its run starts, MLflow's by MLflow as it starts).
     """
 
     def __init__(self):
         self.epoch, self.step, self.batch_in_epoch, self.history = 0, 0, 0, []
-        self.tracker_run_id = None
+        self.tracker_run_id = self.mlflow_run_id = None
 
     def end_epoch(self, epoch: int, steps_per_epoch: int) -> bool:
         """After the last step trained in ``epoch``: whether the epoch is complete (not cut short by
@@ -366,9 +367,11 @@ class TrainProgress:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
-                "history": self.history, "tracker_run_id": self.tracker_run_id}
+                "history": self.history, "tracker_run_id": self.tracker_run_id,
+                "mlflow_run_id": self.mlflow_run_id}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])
         self.tracker_run_id = state.get("tracker_run_id")
+        self.mlflow_run_id = state.get("mlflow_run_id")  # None in checkpoints from before MLflow

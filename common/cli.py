@@ -31,6 +31,8 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmeti
 # --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
 # usual fine-tuning rate.
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
+# --report-to: the trackers of Accelerate's that the scripts set up (common.tracking)
+TRACKERS = ("wandb", "tensorboard", "mlflow")
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed
 # run a different experiment. A script adds those of its own strategy.
@@ -169,21 +171,27 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", type=int, default=2,
                      help="how many of the newest checkpoints to keep (default: %(default)s)")
 
-    tracking = parser.add_argument_group("tracking (Weights & Biases, through Accelerate)")
-    tracking.add_argument("--report-to", default="wandb", choices=("wandb", "none"),
-                          help="wandb: one run per job, offline under --output-dir when no API key "
-                               "is configured; none: no tracking (default: %(default)s)")
+    tracking = parser.add_argument_group("tracking (wandb, TensorBoard, MLflow: Accelerate's)")
+    tracking.add_argument("--report-to", nargs="+", default=["wandb"], metavar="TRACKER",
+                          choices=(*TRACKERS, "none"),
+                          help="one or more of: wandb (one run per job, offline under --output-dir "
+                               "when no API key is configured); tensorboard (events in "
+                               "--output-dir/tensorboard); mlflow (one run per job, in "
+                               "--output-dir/mlflow.db unless MLFLOW_TRACKING_URI is set); or "
+                               "none: no tracking. --resume continues the same runs; see "
+                               "docs/usage.md (default: wandb)")
     tracking.add_argument("--wandb-project", default=None,
-                          help="wandb project (default: $WANDB_PROJECT or multigpu-cifar)")
+                          help="wandb project, also the MLflow experiment and the TensorBoard "
+                               "run's folder (default: $WANDB_PROJECT or multigpu-cifar)")
     tracking.add_argument("--run-name", default=None,
-                          help="wandb run name (default: $WANDB_NAME or wandb's)")
+                          help="wandb and MLflow run name (default: $WANDB_NAME or the tracker's)")
     tracking.add_argument("--wandb-tags", nargs="+", default=None,
                           help="wandb tags (default: $WANDB_TAGS)")
     tracking.add_argument("--wandb-group", default=None,
                           help="wandb group, e.g. one per sweep (default: $WANDB_RUN_GROUP)")
     tracking.add_argument("--log-every", type=int, default=20,
-                          help="log the loss, lr and img/s to wandb every this many optimizer "
-                               "steps (default: %(default)s)")
+                          help="log the loss, lr and img/s to the trackers every this many "
+                               "optimizer steps (default: %(default)s)")
     return parser
 
 
@@ -202,6 +210,9 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
+    if "none" in args.report_to and len(args.report_to) > 1:
+        raise UserError(f"--report-to {' '.join(args.report_to)}: none means no tracking; pass it "
+                        f"alone, or only trackers ({', '.join(TRACKERS)})")
     if args.batch_size % args.grad_accum:  # the processes' share is checked once they are known
         below = args.batch_size - args.batch_size % args.grad_accum
         raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum "

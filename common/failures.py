@@ -71,11 +71,17 @@ def fail_together(accelerator, message: str) -> None:
 
 def end_tracking_failed(accelerator, exit_code: int = 1) -> None:
     """Finish the job's trackers as failed: wandb records a run that nothing finished as exit code
-    0, that is, as a success. Only the main process has trackers; a no-op before they start."""
+    0, that is, as a success, and Accelerate's MLflow finish() as FINISHED. Only the main process
+    has trackers; a no-op before they start."""
     for tracker in getattr(accelerator, "trackers", None) or []:
         try:
             run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run
-            run.finish(exit_code=exit_code) if hasattr(run, "finish") else tracker.finish()
+            if hasattr(run, "finish"):
+                run.finish(exit_code=exit_code)
+            elif getattr(tracker, "name", None) == "mlflow" and accelerator.is_main_process:
+                sys.modules["mlflow"].end_run(status="FAILED")  # imported as the run started
+            else:
+                tracker.finish()
         except Exception:  # noqa: BLE001, S110 - already failing; tracking must not add to it
             pass
     if getattr(accelerator, "trackers", None):

@@ -1,13 +1,24 @@
-"""What a run reports as it trains: the one log line per epoch, and Weights & Biases.
+"""What a run reports as it trains: the one log line per epoch, and the trackers (--report-to).
 
 The log line (``log_line``) prints the values of metrics.jsonl, greppable, in the same order in
-every script. wandb goes through Accelerate's tracker integration and is never in the way: one
-wandb run per job, which Accelerate creates on the main process only, however many processes the
-job has. The run id is kept in the training state, so --resume (and an automatic restart)
-continues the same run. Without an API key and without WANDB_MODE, the run is written offline
-under --output-dir and one line says how to upload it (`wandb sync`): never a login prompt. A
-tracking failure, a server that cannot be reached within START_TIMEOUT included, prints one
-warning and training goes on without it.
+every script. The trackers are Accelerate's own (wandb, TensorBoard, MLflow; several at once if
+asked) and never in the way: Accelerate starts them on the main process only, however many
+processes the job has, and each gets the run's configuration, the per-step loss, lr and img/s and
+every epoch's metrics.jsonl row, at the global optimizer step.
+
+- wandb: one run per job. Its id is kept in the training state, so --resume (and an automatic
+  restart) continues the same run. Without an API key and without WANDB_MODE, the run is written
+  offline under --output-dir and one line says how to upload it (`wandb sync`): never a login
+  prompt.
+- TensorBoard: event files in --output-dir/tensorboard/<project>/ (TENSORBOARD_DIR), written
+  offline; a resumed run adds its own file to the same folder.
+- MLflow: one run per job, in the SQLite store --output-dir/mlflow.db (MLFLOW_DB) unless
+  MLFLOW_TRACKING_URI is set, which then wins: MLflow's own default would put the store in the
+  working directory. The run id is kept in the training state, as wandb's is.
+
+A tracker whose package is not installed is one warning line naming the pip command (Accelerate
+alone would drop it with a debug message). A tracking failure, a wandb server that cannot be
+reached within START_TIMEOUT included, prints one warning and training goes on without tracking.
 """
 
 import netrc
@@ -19,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
 from common.run_record import write_metrics
@@ -30,6 +42,12 @@ DEFAULT_PROJECT = "multigpu-cifar"
 # --dist-timeout (600 s), and under wandb's own 90 s.
 START_TIMEOUT = 60
 SCRIPT_INDENT = "  "  # the start line's continuation lines
+TENSORBOARD_DIR = "tensorboard"  # under --output-dir: tensorboard --logdir RUN/tensorboard
+MLFLOW_DB = "mlflow.db"  # under --output-dir: mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db
+# MLflow's longest param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH): Accelerate would
+# drop a longer one (1,000 class names) with a warning that prints it whole; config.json has it all.
+MAX_PARAM_CHARS = 6000
+MLFLOW_ARTIFACTS = "mlflow-artifacts"  # under --output-dir: the experiment's (the scripts log none)
 
 
 def has_wandb_credentials() -> bool:
@@ -43,21 +61,90 @@ def has_wandb_credentials() -> bool:
         return False
 
 
+class RunFolderTensorBoard(TensorBoardTracker):
+    """Accelerate's TensorBoard tracker, told its folder when tracking starts: Accelerator() wants
+    the folder of a tracker named "tensorboard" at once (a ValueError otherwise), and the run folder
+    is known only once it is locked (common.run_folder), after the Accelerator is made."""
+
+    requires_logging_directory = False  # given to place(), before init_trackers starts it
+
+    def __init__(self):
+        super().__init__(run_name=DEFAULT_PROJECT, logging_dir=None)  # None: no folder yet
+
+    def place(self, project: str, folder: Path) -> None:
+        """Write into ``folder``/``project`` (TensorBoardTracker.start joins them)."""
+        self.run_name, self.logging_dir_param = project, str(folder)
+
+
+def installed_trackers(report_to: list[str]) -> list | None:
+    """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
+    (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard; None for
+    none."""
+    missing = _missing(report_to)
+    return [RunFolderTensorBoard() if name == "tensorboard" else name
+            for name in dict.fromkeys(report_to) if name != "none" and name not in missing] or None
+
+
+def _missing(report_to: list[str]) -> list[str]:
+    """The trackers in ``report_to`` whose package Accelerate does not find."""
+    available = {str(tracker) for tracker in get_available_trackers()}
+    return [name for name in dict.fromkeys(report_to) if name != "none" and name not in available]
+
+
 def start_tracking(accelerator, config: dict, output_dir: Path, progress,
                    project: str | None = None, name: str | None = None,
                    tags: list[str] | None = None, group: str | None = None) -> None:
-    """Start (or, on resume, continue) the job's wandb run; a no-op when the Accelerator was made
-    without ``log_with="wandb"``.
+    """Start (or, on resume, continue) the job's tracker runs, those of ``accelerator.log_with``
+    (installed_trackers); a tracker that --report-to names (``config["args"]``) but that is not
+    installed gets one warning line.
 
-    ``project``, ``name``, ``tags`` and ``group`` win over the standard WANDB_PROJECT / WANDB_NAME /
-    WANDB_TAGS / WANDB_RUN_GROUP variables only when given, so those keep working; so does
-    WANDB_DIR.
+    ``project`` (the wandb project, MLflow experiment and TensorBoard folder), ``name``, ``tags``
+    and ``group`` win over the standard WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP
+    variables only when given, so those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and
+    MLFLOW_EXPERIMENT_NAME.
     """
+    for missing in _missing(config.get("args", {}).get("report_to", [])):
+        accelerator.print(f"warning: --report-to {missing} needs the {missing} package, which is "
+                          f"not installed (pip install {missing}); training goes on without it")
     if not accelerator.log_with:
         return
-    offline_by_default = accelerator.is_main_process and not os.environ.get("WANDB_MODE") \
+    names = [_name(tracker) for tracker in accelerator.log_with]
+    project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
+    init, new_run, offline = {}, {"wandb": True}, False
+    if "wandb" in names:
+        init["wandb"], offline = _wandb_init(accelerator, output_dir, progress, name, tags, group)
+    if "mlflow" in names:
+        init["mlflow"], new_run["mlflow"] = _mlflow_init(accelerator, output_dir, progress, name)
+    for tracker in accelerator.log_with:
+        if isinstance(tracker, RunFolderTensorBoard):
+            tracker.place(project, output_dir / TENSORBOARD_DIR)
+            new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
+    try:
+        accelerator.init_trackers(project, config=None, init_kwargs=init)
+        for tracker in accelerator.trackers:  # a resumed run keeps the parameters it started with
+            if tracker.name == "wandb":  # (MLflow refuses to change one): config.json has them
+                tracker.store_init_configuration(config)  # wandb keeps the nesting
+            elif new_run[tracker.name]:  # TensorBoard's hparams and MLflow's params are flat
+                tracker.store_init_configuration(flat_config(config))
+    except Exception as error:  # noqa: BLE001 - tracking must never stop training
+        _give_up(accelerator, f"{' and '.join(names)} did not start ({first_line(error)})")
+        return
+    if accelerator.is_main_process and "mlflow" in names:  # MLflow chose it: kept for --resume
+        progress.mlflow_run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    _say_where(accelerator, names, output_dir, project, offline)
+
+
+def _name(tracker) -> str:
+    """A log_with entry's tracker name: Accelerate's LoggerType for a name, or a tracker's own."""
+    return tracker.name if isinstance(tracker, GeneralTracker) else str(tracker)
+
+
+def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> tuple[dict, bool]:
+    """wandb.init's arguments: the run id (chosen here the first time); and whether the run is
+    offline because no API key is configured (the main process then sets WANDB_MODE)."""
+    offline = accelerator.is_main_process and not os.environ.get("WANDB_MODE") \
         and not has_wandb_credentials()
-    if offline_by_default:
+    if offline:
         os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
     if accelerator.is_main_process and progress.tracker_run_id is None:
         # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
@@ -69,16 +156,54 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
         init["settings"] = {"init_timeout": START_TIMEOUT}
     init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items()
                  if value})
-    project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
-    try:
-        accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
-    except Exception as error:  # noqa: BLE001 - tracking must never stop training
-        _give_up(accelerator, f"wandb did not start ({first_line(error)})")
-        return
-    if offline_by_default:
+    return init, offline
+
+
+def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, bool]:
+    """MLflowTracker's arguments, and whether its run is new: the run to continue, if any, and
+    the store in the run folder unless MLFLOW_TRACKING_URI says where."""
+    init = {"run_id": progress.mlflow_run_id, "run_name": name}
+    if accelerator.is_main_process and not os.environ.get("MLFLOW_TRACKING_URI"):
+        # MLflow 3's default is sqlite:///mlflow.db in the working directory (full mlflow only).
+        os.environ["MLFLOW_TRACKING_URI"] = run_folder_mlflow_uri(output_dir)
+        # Where a new experiment keeps its artifacts; an existing one keeps its own place.
+        init["logging_dir"] = str(output_dir.resolve() / MLFLOW_ARTIFACTS)
+    return init, progress.mlflow_run_id is None and not os.environ.get("MLFLOW_RUN_ID")
+
+
+def run_folder_mlflow_uri(output_dir: Path) -> str:
+    """The MLflow store in the run folder: a SQLite file (MLflow 3 refuses its old ./mlruns file
+    store unless MLFLOW_ALLOW_FILE_STORE=true)."""
+    return f"sqlite:///{Path(output_dir).resolve() / MLFLOW_DB}"
+
+
+def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
+               offline: bool) -> None:
+    """One line for each tracker that writes into the run folder unasked: where, how to see it."""
+    if offline:
         run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
         accelerator.print(f"wandb: no API key configured, so this run is logged offline to "
                           f"{run_dir}; upload it with: wandb sync {run_dir}")
+    if "tensorboard" in names:
+        accelerator.print(f"tensorboard: events in {output_dir / TENSORBOARD_DIR / project}; "
+                          f"see them with: tensorboard --logdir {output_dir / TENSORBOARD_DIR}")
+    uri = run_folder_mlflow_uri(output_dir)
+    if "mlflow" in names and os.environ.get("MLFLOW_TRACKING_URI") == uri:
+        accelerator.print(f"mlflow: run in {uri}; see it with: mlflow ui --backend-store-uri {uri}")
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """``config`` as the flat values TensorBoard's hparams and MLflow's params take: nested keys
+    joined by "/", lists as text, None left out, text cut to MAX_PARAM_CHARS."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}/"))
+        elif value is not None:
+            value = value if isinstance(value, (bool, int, float)) else str(value)
+            too_long = isinstance(value, str) and len(value) > MAX_PARAM_CHARS
+            flat[f"{prefix}{key}"] = value[:MAX_PARAM_CHARS - 3] + "..." if too_long else value
+    return flat
 
 
 def track(accelerator, values: dict, step: int) -> None:
@@ -95,7 +220,8 @@ def track(accelerator, values: dict, step: int) -> None:
     try:
         accelerator.log(flat, step=step)
     except Exception as error:  # noqa: BLE001 - tracking must never stop training
-        _give_up(accelerator, f"wandb failed to log ({first_line(error)})")
+        names = " and ".join(tracker.name for tracker in accelerator.trackers)
+        _give_up(accelerator, f"{names} failed to log ({first_line(error)})")
 
 
 def record_epoch(accelerator, output_dir: Path, history: list[dict], metrics: dict) -> None:

@@ -65,6 +65,7 @@ from common.step_guard import StepGuard, announce_stop
 from common.tracking import (
     EpochMeter,
     StepLogger,
+    installed_trackers,
     peak_memory,
     record_epoch,
     start_line,
@@ -93,7 +94,7 @@ def set_up(args) -> Accelerator:
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     check_gpus_per_node()  # DDP: one process per GPU, never more
     accelerator = Accelerator(
-        log_with=None if args.report_to == "none" else args.report_to,  # wandb, main process only
+        log_with=installed_trackers(args.report_to),  # --report-to; main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
         dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()

@@ -161,8 +161,11 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_single", ["--max-steps", "0"], "--max-steps 0: must be 1 or more"),
           ("train_amp", ["--keep-checkpoints", "0"], "--keep-checkpoints 0: must be 1 or more"),
           ("train_single", ["--log-every", "0"], "--log-every 0: must be 1 or more"),
-          ("train_single", ["--report-to", "x"],
-           "argument --report-to: invalid choice: 'x' (choose from 'wandb', 'none'); see --help"),
+          ("train_single", ["--report-to", "x"], ("argument --report-to: invalid choice: 'x' (choose from "
+                                                  "'wandb', 'tensorboard', 'mlflow', 'none'); see --help")),
+          ("train_single", ["--report-to", "none", "wandb"], ("--report-to none wandb: none means no tracking; "
+                                                              "pass it alone, or only trackers (wandb, "
+                                                              "tensorboard, mlflow)")),
           ("train_dp", ["--bad-images", "x"],
            "argument --bad-images: invalid choice: 'x' (choose from 'stop', 'skip'); see --help"),
           ("train_single", ["--workers", "-1"], "--workers -1: must be 0 (load in the training process) or more"),

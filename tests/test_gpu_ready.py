@@ -270,7 +270,7 @@ def test_wandb_start_up_is_bounded_below_the_process_group_timeout(monkeypatch, 
     started = {}
 
     class Accelerator(FakeAccelerator):
-        log_with = ["wandb"]
+        log_with, trackers = ["wandb"], []
 
         def init_trackers(self, project, config, init_kwargs):
             started.update(init_kwargs["wandb"])

@@ -55,6 +55,8 @@ def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
 
 def test_a_log_failure_mid_run_is_one_warning():
     class Tracker:
+        name = "wandb"
+
         def finish(self):
             self.finished = True
 

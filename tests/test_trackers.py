@@ -1,0 +1,134 @@
+"""TensorBoard and MLflow through Accelerate (--report-to): into the run folder and nowhere else,
+read back with each tracker's own reader, one MLflow run per job across --resume, and a missing
+package one warning line."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+from helpers import ROOT, run
+
+# 256 images at batch 64: 4 optimizer steps an epoch, seconds on a CPU.
+SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
+         "--model", "resnet20", "--batch-size", "64", "--epochs", "2", "--log-every", "2"]
+
+
+def epochs(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def numeric(row: dict) -> dict:
+    """The values of a metrics.jsonl row that a tracker logs as numbers (True is 1)."""
+    return {key: value for key, value in row.items() if isinstance(value, (int, float))}
+
+
+def empty_but_for_cache(folder) -> list[str]:
+    """What a run left in its working directory (``folder``) beyond the data cache of the tests."""
+    return sorted(p.name for p in folder.iterdir() if p.name != ".cache")
+
+
+def test_tensorboard_writes_every_epoch_into_the_run_folder(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, cwd = tmp_path / "run", tmp_path / "cwd"
+    cwd.mkdir()
+    done = run("train_single.py", *SMALL, "--report-to", "tensorboard", "--output-dir", out, cwd=cwd)
+    folder = out / "tensorboard" / "multigpu-cifar"  # --output-dir/tensorboard/<project>
+    assert [line for line in done.stdout.splitlines() if line.startswith("tensorboard:")] == [
+        f"tensorboard: events in {folder}; see them with: tensorboard --logdir {out / 'tensorboard'}"]
+    assert empty_but_for_cache(cwd) == []
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0}).Reload()  # 0: keep all
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert sorted(scalars["train/loss"]) == [2, 4, 6, 8]  # every --log-every optimizer steps
+    rows = epochs(out)
+    assert [row["step"] for row in rows] == [4, 8]
+    for row in rows:  # TensorBoard keeps float32
+        for key, value in numeric(row).items():
+            assert scalars[key][row["step"]] == pytest.approx(float(value), rel=1e-6, abs=1e-30), key
+
+
+def test_mlflow_keeps_one_run_in_the_run_folder_across_a_resume(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    out, cwd = tmp_path / "run", tmp_path / "cwd"
+    cwd.mkdir()
+    first = run("train_single.py", *SMALL, "--report-to", "mlflow", "--max-steps", 4,
+                "--output-dir", out, cwd=cwd)  # stops after epoch 1 of 2
+    second = run("train_single.py", *SMALL, "--report-to", "mlflow", "--output-dir", out, "--resume",
+                 cwd=cwd)
+    uri = f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    for done in (first, second):
+        assert [line for line in done.stdout.splitlines() if line.startswith("mlflow:")] == [
+            f"mlflow: run in {uri}; see it with: mlflow ui --backend-store-uri {uri}"]
+    assert empty_but_for_cache(cwd) == []  # no ./mlruns, no ./mlflow.db, no ./mlartifacts
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("multigpu-cifar")
+    (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert mlflow_run.info.experiment_id == experiment.experiment_id
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params["args/model"] == "resnet20"  # config.json's values, flattened
+    assert mlflow_run.data.params["global_batch_size"] == "64"
+
+    def history(key):
+        return {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, key)}
+
+    assert sorted(history("train/loss")) == [2, 4, 6, 8]  # both parts of the job, one run
+    rows = epochs(out)
+    assert [row["step"] for row in rows] == [4, 8]
+    for row in rows:
+        for key, value in numeric(row).items():
+            assert history(key)[row["step"]] == pytest.approx(float(value), rel=1e-12), key
+
+
+def test_a_tracker_whose_package_is_missing_is_one_warning(tmp_path):
+    """mlflow made absent for the run as Python finds an absent package (find_spec gives None,
+    import raises ModuleNotFoundError): one warning, and TensorBoard, also asked for, goes on."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text('import sys\n\nsys.modules["mlflow"] = None\n')
+    path = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", str(ROOT))])
+    out = tmp_path / "run"
+    done = run("train_single.py", *SMALL, "--epochs", 1, "--report-to", "mlflow", "tensorboard",
+               "--output-dir", out, env_extra={"PYTHONPATH": path}, cwd=tmp_path)
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
+    expected = ("warning: --report-to mlflow needs the mlflow package, which is not installed "
+                "(pip install mlflow); training goes on without it")
+    assert warnings == [expected]
+    assert "mlflow" not in done.stderr  # nothing else said about it
+    assert (out / "model.safetensors").exists() and len(epochs(out)) == 1  # trained to its end
+    assert not (out / "mlflow.db").exists()
+    assert list((out / "tensorboard" / "multigpu-cifar").glob("events.out.tfevents.*"))
+
+
+def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
+    """common.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
+    no run object, and its finish() (mlflow.end_run()) would record the run as FINISHED."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from common.failures import end_tracking_failed
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_id = mlflow.start_run().info.run_id  # what MLflowTracker.start does, without a job around
+    try:
+        accelerator = SimpleNamespace(is_main_process=True, trackers=[
+            SimpleNamespace(name="mlflow", finish=mlflow.end_run)])
+        end_tracking_failed(accelerator)
+        assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
+        assert accelerator.trackers == [] and mlflow.active_run() is None
+    finally:  # a run left open would be ended at exit, in a ./mlflow.db (the variable gone by then)
+        mlflow.end_run()
+
+
+def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():
+    from common.tracking import MAX_PARAM_CHARS, flat_config
+
+    flat = flat_config({"args": {"lr": 0.1, "milestones": [4, 9], "resume": None, "tf32": True},
+                        "classes": ["airplane"] * 1000})  # 1,000 class names: over MLflow's limit
+    assert flat["args/lr"] == 0.1 and flat["args/milestones"] == "[4, 9]" and flat["args/tf32"] is True
+    assert "args/resume" not in flat
+    assert len(flat["classes"]) == MAX_PARAM_CHARS and flat["classes"].endswith("...")
