@@ -11,6 +11,7 @@ from common.errors import UserError
 from common.files import check_folder
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, build_model, model_names
 from common.pretrained import check_fine_tuning
+from common.profiling import profile_steps
 
 # torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
 # nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
@@ -40,7 +41,7 @@ RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "
                              "keep_checkpoints", "report_to", "wandb_project", "run_name",
                              "wandb_tags", "wandb_group", "log_every", "checkpoint_every",
                              "compile", "loader", "workers", "loader_budget", "bad_images",
-                             "lr", "clip_grad"})  # the advice after a diverged run: lower, clip
+                             "profile", "lr", "clip_grad"})  # lr, clip_grad: after a diverged run
 
 
 class Parser(argparse.ArgumentParser):
@@ -157,6 +158,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                        help="stop after this many optimizer steps in all (counted from the start "
                             "of the run, resumes included), with a checkpoint; for tests and "
                             "benchmarks")
+    train.add_argument("--profile", default=None, metavar="[SKIP:]STEPS",
+                       help="trace STEPS optimizer steps with torch.profiler, after the first 5 of "
+                            "this launch (or SKIP), into --output-dir/profile/ (Perfetto, "
+                            "chrome://tracing), and print the ops that cost most per step at the "
+                            "end, e.g. 5 or 20:5 (default: off)")
 
     run = parser.add_argument_group("run record")
     run.add_argument("--output-dir", default=None,
@@ -210,6 +216,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
+    profile_steps(args.profile)  # "N" or "S:N"
     if "none" in args.report_to and len(args.report_to) > 1:
         raise UserError(f"--report-to {' '.join(args.report_to)}: none means no tracking; pass it "
                         f"alone, or only trackers ({', '.join(TRACKERS)})")

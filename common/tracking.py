@@ -34,6 +34,7 @@ from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_availabl
 
 from common.errors import first_line
 from common.run_record import write_metrics
+from common.utilisation import GpuBusy, process_gpus, utilisation_figures
 
 GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 DEFAULT_PROJECT = "multigpu-cifar"
@@ -268,7 +269,7 @@ def _give_up(accelerator, why: str) -> None:
 
 # Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
 OPTIONAL_FIELDS = ("loss_scale", "skipped_steps", "gpu_mem_alloc_gb", "gpu_mem_reserved_gb",
-                   "gpu_mem_peak_gb")
+                   "gpu_mem_peak_gb", "gpu_util_pct")
 
 
 def log_line(m: dict) -> str:
@@ -309,17 +310,20 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
 
 class EpochMeter:
     """One epoch's figures for its log line and metrics.jsonl: the training loss, the time, images
-    per second, and the share of the time spent waiting for batches (``wait``, a DataWait). The loss
-    is summed on the device and read once, at the end of the epoch."""
+    per second, the share of the time spent waiting for batches (``wait``, a DataWait) and each
+    GPU's utilisation (common.utilisation). The loss is summed on the device and read once, at the
+    end of the epoch."""
 
     def __init__(self, device: torch.device, batch_size: int):
         self.device, self.batch_size, self.wait = device, batch_size, DataWait(device)
+        self.busy = GpuBusy(process_gpus(device))  # each GPU's utilisation, read by NVML
 
     def start(self) -> None:
         """Before the epoch's first batch."""
         self.loss_sum, self.steps, self.began = (torch.zeros((), device=self.device), 0,
                                                  time.perf_counter())
         self.wait.start()
+        self.busy.restart()
 
     def add(self, loss: torch.Tensor) -> None:
         """After each optimizer step, with its loss."""
@@ -334,7 +338,8 @@ class EpochMeter:
         seconds = time.perf_counter() - self.began
         return {"train_loss": train_loss, "epoch_time_s": seconds,
                 "img_per_s": self.steps * self.batch_size / seconds,
-                "data_wait_frac": self.wait.seconds() / seconds}
+                "data_wait_frac": self.wait.seconds() / seconds,
+                **utilisation_figures(self.busy)}  # a collective with several processes
 
 
 class DataWait:

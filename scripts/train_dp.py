@@ -65,6 +65,7 @@ from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
 from common.output import survive_closed_output
 from common.pretrained import find_weights, fine_tune
+from common.profiling import StepProfiler
 from common.run_folder import lock_run_and_find_resume
 from common.run_record import run_config, write_config
 from common.step_guard import StepGuard, announce_stop
@@ -196,6 +197,7 @@ def main(args):
     guard.install_signal_handlers()  # SIGTERM, SIGUSR1: finish the step, save it, exit 75
     checkpointer = Checkpointer(accelerator, output_dir, args.checkpoint_every,
                                 args.keep_checkpoints)
+    profiler = StepProfiler(accelerator, args.profile, output_dir)  # --profile: a trace of steps
     stop = None  # the stop every process agreed on: a stop signal, or a non-finite loss
     for epoch in range(progress.epoch, args.epochs):
         if progress.step >= stop_step or stop:
@@ -233,6 +235,7 @@ def main(args):
             progress.step += 1
             progress.batch_in_epoch += 1
             ema.update()  # --ema-decay: the average follows every optimizer step
+            profiler.step()  # --profile: the traced steps are chosen by number
             meter.add(step_loss)
             # The epoch's last whole optimizer step: micro-batches left over wait for the next.
             epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
@@ -263,6 +266,7 @@ def main(args):
             meter.wait.start()
 
     # ------------------------------------------------------------------------------- finish
+    profiler.finish()  # --profile: the table of the ops that cost most per step
     if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
         return announce_stop(accelerator, stop, progress.step, checkpointer.last)
     ema.apply()  # --ema-decay: model.safetensors holds the averaged weights

@@ -205,6 +205,9 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_single", ["--auto-augment", "randaugment"],
            "--auto-augment randaugment draws one policy per image, in the DataLoader workers: add --loader workers "
            "(on a batch tensor torchvision applies one operation to every image)"),
+          ("train_ddp", ["--profile", "0"],
+           "--profile 0: give the number of steps to trace, e.g. 5, or the steps to skip first and the number to "
+           "trace, e.g. 20:5"),
           ("train_amp", ["--head-lr-scale", "nan"],
            "--head-lr-scale nan: must be a positive number, e.g. 10 (the classifier's lr 10 times the rest's)"),
           ("train_single", ["--warmup-epochs", "nan"],

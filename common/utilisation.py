@@ -1,0 +1,85 @@
+"""Each GPU's utilisation over an epoch, the figure nvidia-smi shows: NVML read by a thread beside
+training, never in the training step (no host-device synchronisation).
+
+NVML's utilisation is the share of the last sample period (1/6 s to 1 s, by GPU) in which a kernel
+ran on the GPU; it is read every SAMPLE_SECONDS through torch.cuda.utilization (the nvidia-ml-py
+package) and averaged over the epoch. A process of a DDP job reads its own GPU and the job's
+figures are gathered (one value per GPU, in process order); a lone process reads every GPU it can
+see, so DataParallel's replicas are all there. Where there is no GPU, or no NVML, ``why_absent``
+says why, in the field metrics.jsonl then holds instead (gpu_util_absent).
+"""
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from common.errors import first_line
+
+SAMPLE_SECONDS = 0.5
+
+
+class GpuBusy:
+    """Utilisation of ``devices`` (CUDA) sampled in a daemon thread; ``restart()`` opens a window,
+    ``means()`` closes it: the mean percent of each device over the window. ``read(device)`` is
+    torch.cuda.utilization (a test passes another)."""
+
+    def __init__(self, devices: list[torch.device], read=None):
+        self.devices, self.read = devices, read or torch.cuda.utilization
+        self.why_absent = None if devices else "no GPU: training on the CPU"
+        if devices:
+            try:
+                self.read(devices[0])
+            except Exception as error:  # noqa: BLE001 - pynvml missing, NVML not loaded, a VM ...
+                self.why_absent = (f"NVML cannot be read ({first_line(error)}); install "
+                                   f"nvidia-ml-py with a driver that has NVML")
+        self.sums, self.count, self.lock = [0.0] * len(devices), 0, threading.Lock()
+        if self.why_absent is None:
+            threading.Thread(target=self._sample, daemon=True, name="gpu-busy").start()
+
+    def _sample(self) -> None:
+        while True:
+            try:
+                values = [float(self.read(device)) for device in self.devices]
+            except Exception:  # noqa: BLE001 - a missed sample is no reason to stop
+                values = None
+            if values is not None:
+                with self.lock:
+                    self.sums = [s + v for s, v in zip(self.sums, values)]
+                    self.count += 1
+            time.sleep(SAMPLE_SECONDS)
+
+    def restart(self) -> None:
+        with self.lock:
+            self.sums, self.count = [0.0] * len(self.devices), 0
+
+    def means(self) -> list[float] | None:
+        """Each device's mean utilisation (%) since restart(); None before the first sample."""
+        with self.lock:
+            return [round(s / self.count, 1) for s in self.sums] if self.count else None
+
+
+def process_gpus(device: torch.device) -> list[torch.device]:
+    """The GPUs this process trains on: its own under a launcher of several processes, every
+    visible one when it is alone (DataParallel's replicas); none on a CPU."""
+    if device.type != "cuda":
+        return []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return [device]
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def utilisation_figures(busy: GpuBusy) -> dict:
+    """{"gpu_util_pct": [% per GPU of the job]} over the window, or {"gpu_util_absent": why}. With
+    several processes, a collective (gathered): every process must call it."""
+    if not busy.devices:  # a CPU: the same on every process of the job
+        return {"gpu_util_absent": busy.why_absent}
+    mine = (busy.means() if busy.why_absent is None else None) or [busy.why_absent or
+                                                                   "no NVML sample yet"]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # every process, NVML or not: no one waits alone
+        mine = [value for values in everyone for value in values]
+    why = next((value for value in mine if isinstance(value, str)), None)
+    return {"gpu_util_absent": why} if why else {"gpu_util_pct": mine}

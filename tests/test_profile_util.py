@@ -1,0 +1,95 @@
+"""--profile (a torch.profiler trace of chosen steps and the per-step table of the top ops) and each
+GPU's utilisation (NVML, sampled beside training): a real run on the CPU, NVML replaced where no GPU
+exists."""
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+from helpers import DATA, run
+
+from common import utilisation
+from common.tracking import log_line
+from common.utilisation import GpuBusy, utilisation_figures
+
+FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "run"
+    return out, run("train_single.py", *FLAGS, "--profile", "3:2", "--output-dir", out, cwd=out.parent)
+
+
+def test_profile_writes_a_trace_of_the_chosen_steps(profiled):
+    out, _ = profiled
+    trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"ProfilerStep#3", "ProfilerStep#4"} <= names  # steps 4 and 5 of the launch (counted from 0)
+    assert not {"ProfilerStep#2", "ProfilerStep#5"} & names  # the warm-up step, the step after
+    assert any(str(name).startswith("aten::convolution") for name in names)
+
+
+def test_profile_prints_the_ops_that_cost_most_per_step(profiled):
+    out, done = profiled
+    head = f"--profile: steps 4-5 of this launch traced in {out / 'profile'}"
+    assert head in done.stdout
+    table = done.stdout.split(head, 1)[1].splitlines()[1:]
+    assert re.match(r"op +calls +self CPU us$", table[0])
+    rows = [re.match(r"(\S.*?) +([\d.]+) +([\d.]+)$", line) for line in table[2:18]]
+    assert all(rows), table
+    times = [float(row.group(3)) for row in rows[:-1]]
+    assert times == sorted(times, reverse=True) and rows[-1].group(1) == "all ops"
+    assert float(rows[-1].group(3)) >= sum(times)  # the total holds every op, not only the top 15
+    # a conv layer's ops run once per convolution per step: ResNet-20 has 19 (forward)
+    assert any(row.group(1).startswith("aten::") for row in rows)
+
+
+def test_a_cpu_run_says_why_it_has_no_gpu_utilisation(profiled):
+    out, done = profiled
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["gpu_util_absent"] == "no GPU: training on the CPU" and "gpu_util_pct" not in record
+    assert "gpu_util" not in done.stdout.split("epoch=1/1", 1)[1].splitlines()[0]  # the log line as before
+
+
+def test_a_profile_window_after_the_run_is_said(tmp_path):
+    done = run("train_single.py", *FLAGS, "--max-steps", "3", "--profile", "5", "--output-dir", tmp_path / "run",
+               cwd=tmp_path)
+    assert "--profile: the run ended before steps 6-10 of this launch: nothing traced" in done.stdout
+    assert not (tmp_path / "run" / "profile").exists()
+
+
+# ---------------------------------------------------------------------------------- NVML, replaced
+
+def test_utilisation_is_sampled_beside_training_and_averaged_per_gpu(monkeypatch):
+    monkeypatch.setattr(utilisation, "SAMPLE_SECONDS", 0.01)
+    readers = set()
+
+    def read(device):  # two GPUs: 30 % and 90 % busy
+        readers.add(threading.current_thread().name)
+        return {0: 30, 1: 90}[device.index]
+
+    busy = GpuBusy([torch.device("cuda", 0), torch.device("cuda", 1)], read=read)
+    time.sleep(0.2)
+    busy.restart()
+    time.sleep(0.2)
+    assert utilisation_figures(busy) == {"gpu_util_pct": [30.0, 90.0]}
+    assert readers <= {"MainThread", "gpu-busy"} and "gpu-busy" in readers  # read in its own thread
+    line = log_line({"epoch": 1, "epochs": 1, "step": 2, "batch_size": 8, "lr": 0.1, "train_loss": 1.0,
+                     "test_acc": 0.5, "epoch_time_s": 1.0, "img_per_s": 8, "data_wait_frac": 0.0,
+                     "gpu_util_pct": [30.0, 90.0]})
+    assert line.endswith(" gpu_util_pct=30.00,90.00")
+
+
+def test_without_nvml_the_field_says_why():
+    def read(device):
+        raise ModuleNotFoundError("No module named 'pynvml'")
+
+    busy = GpuBusy([torch.device("cuda", 0)], read=read)
+    assert utilisation_figures(busy) == {
+        "gpu_util_absent": "NVML cannot be read (ModuleNotFoundError: No module named 'pynvml'); install "
+                           "nvidia-ml-py with a "
+                           "driver that has NVML"}
