@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -37,6 +38,10 @@ from safetensors import safe_open
 from common.errors import UserError, first_line
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, classifier_name
 from common.weights import load_weights
+
+# Seconds a download of torchvision's weights may wait for the network at each step (connect,
+# read) before --pretrained gives up with its line; the Hub has its own (HF_HUB_ETAG_TIMEOUT).
+DOWNLOAD_TIMEOUT = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +145,9 @@ def _torchvision_weights(name: str) -> Weights:
     default = torchvision.models.get_model_weights(name).DEFAULT
     file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(default.url)
     if not file.is_file():
-        try:
+        timeout = socket.getdefaulttimeout()
+        try:  # torch.hub's urlopen has no timeout of its own: a silent network would hang it
+            socket.setdefaulttimeout(DOWNLOAD_TIMEOUT)
             torch.hub.load_state_dict_from_url(default.url, progress=False, check_hash=True)
         except Exception as error:  # noqa: BLE001 - offline, unreachable, a bad download
             raise UserError(
@@ -148,6 +155,8 @@ def _torchvision_weights(name: str) -> Weights:
                 f"and cannot be downloaded ({first_line(error)}): put {default.url} there (or "
                 f"set TORCH_HOME to the folder holding hub/checkpoints/), or pass "
                 f"--pretrained-path FILE") from None
+        finally:
+            socket.setdefaulttimeout(timeout)
     return Weights(file, f"torchvision {default}", **_torchvision_inputs(default))
 
 

@@ -25,6 +25,9 @@ from safetensors.torch import load_file, save_file
 from torchvision.io import decode_image
 
 from common.data.stats import channel_stats
+from common.errors import UserError
+from common.models import build_model
+from common.pretrained import find_weights, fine_tune
 
 CLASSES = 3
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -184,39 +187,43 @@ def test_pretrained_reads_timm_weights_from_the_hugging_face_cache(place, tmp_pa
     assert all(torch.equal(final[k], source[k]) for k in source if not is_head(k))
 
 
-def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path):
+def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path, monkeypatch):
     """torchvision's file name in $TORCH_HOME/hub/checkpoints/, its keys loaded into torchvision's
-    ResNet-18; the weights' preset (bilinear, 224 px) recorded."""
-    _, data, _, offline = place
+    ResNet-18 by what the scripts call (find_weights, then fine_tune); the weights' preset (bilinear,
+    224 px, ImageNet's statistics x 255) recorded; without the file, the line that says where it must
+    be, when no network answers (torch.hub would download it otherwise)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    url = torchvision.models.ResNet18_Weights.DEFAULT.url
+    with pytest.raises(UserError) as missing:
+        find_weights("torchvision:resnet18", True, None)
+    assert str(missing.value).startswith(
+        f"error: --pretrained: the weights of torchvision:resnet18 (ResNet18_Weights.IMAGENET1K_V1) are not at "
+        f"{tmp_path}/torch/hub/checkpoints/resnet18-f37072fd.pth and cannot be downloaded (")
+    assert str(missing.value).endswith(f"put {url} there (or set TORCH_HOME to the folder holding hub/checkpoints/), "
+                                       f"or pass --pretrained-path FILE")
     torch.manual_seed(2)
     state = torchvision.models.resnet18().state_dict()
-    url = torchvision.models.ResNet18_Weights.DEFAULT.url
-    checkpoints = tmp_path / "torch" / "hub" / "checkpoints"
-    checkpoints.mkdir(parents=True)
-    torch.save(state, checkpoints / Path(url).name)
-    out = tmp_path / "run"
-    flags = [*FLAGS[FLAGS.index("--image-size"):], "--model", "torchvision:resnet18"]
-    run("train_single.py", *flags, "--data-dir", data, "--output-dir", out, "--pretrained", "--freeze", "backbone",
-        "--max-steps", "1", cwd=tmp_path, env_extra={**offline, "TORCH_HOME": str(tmp_path / "torch")})
-    final = weights(out)
+    torch.save(state, tmp_path / "torch" / "hub" / "checkpoints" / Path(url).name)
+    found = find_weights("torchvision:resnet18", True, None)
+    assert (found.input_size, found.interpolation) == (224, "bilinear")
+    assert found.mean == pytest.approx([255 * m for m in IMAGENET_MEAN])
+    assert found.std == pytest.approx([255 * s for s in IMAGENET_STD])
+    model = build_model("torchvision:resnet18", CLASSES)
+    tuned = fine_tune(model, found, "torchvision:resnet18", CLASSES, 224, "backbone")["fine_tune"]
+    assert tuned["loaded"].endswith("head fc swapped: 1000 classes -> 3 classes, newly initialised")
+    final = model.state_dict()
     assert all(torch.equal(final[k], state[k]) for k in state if not is_head(k))
-    tuned = json.loads((out / "config.json").read_text())["fine_tune"]
-    assert tuned["interpolation"] == "bilinear" and tuned["input_size"] == 224
 
 
-@pytest.mark.parametrize("model, where", [
-    ("timm:resnet18", "are not in the Hugging Face cache ({hf}/hub) and cannot be downloaded"),
-    ("torchvision:resnet18", "are not at {torch}/hub/checkpoints/resnet18-f37072fd.pth and cannot be downloaded"),
-])
-def test_pretrained_without_a_cached_file_is_one_line_at_once(place, tmp_path, model, where):
+def test_pretrained_without_a_cached_file_is_one_line_at_once(place, tmp_path):
+    """As a user meets it: timm's weights not in an empty Hugging Face cache, the Hub offline."""
     _, data, _, offline = place
-    done = run("train_single.py", "--model", model, "--pretrained", "--data-dir", data, "--report-to", "none",
-               cwd=tmp_path, env_extra={**offline, "HF_HOME": str(tmp_path / "hf"),
-                                        "TORCH_HOME": str(tmp_path / "torch")}, check=False)
+    done = run("train_single.py", "--model", "timm:resnet18", "--pretrained", "--data-dir", data, "--report-to",
+               "none", cwd=tmp_path, env_extra={**offline, "HF_HOME": str(tmp_path / "hf")}, check=False)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
-    expected = where.format(hf=tmp_path / "hf", torch=tmp_path / "torch")
-    assert lines[0].startswith("error: --pretrained: the weights of ") and expected in lines[0], lines[0]
+    assert lines[0].startswith("error: --pretrained: the weights of timm:resnet18 are not in the Hugging Face cache "
+                               f"({tmp_path / 'hf'}/hub) and cannot be downloaded ("), lines[0]
     assert lines[0].endswith("or pass --pretrained-path FILE")
     written = [p for p in tmp_path.rglob("*") if p.is_file() and ".cache" not in p.parts]
     assert not written and not (tmp_path / "runs").exists()  # no run folder, nothing downloaded
