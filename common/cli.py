@@ -262,6 +262,9 @@ def check_args(args: argparse.Namespace) -> None:
                         f"{MIN_DIST_TIMEOUT} the others time out while the main process starts "
                         f"the tracker or writes a checkpoint)")
     check_fine_tuning(args.pretrained, args.pretrained_path, args.freeze, args.head_lr_scale)
+    if getattr(args, "sync_bn", False) and args.model.startswith(TIMM_PREFIX):  # DDP's, AMP's flag
+        raise UserError(f"--sync-bn with --model {args.model}: torch's SyncBatchNorm conversion "
+                        f"drops the activation timm keeps inside its norm layers; drop --sync-bn")
     check_model_name(args.model)
     check_folder("--output-dir", args.output_dir)
 

@@ -107,7 +107,11 @@ def _timm_weights(name: str) -> Weights:
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     from timm.models import get_pretrained_cfg
 
-    cfg = get_pretrained_cfg(name)
+    try:
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError as error:  # an unknown pretrained tag
+        raise UserError(f"--pretrained: timm:{name}: {first_line(error)}; pick a tag of "
+                        f"timm.list_pretrained('{name.split('.')[0]}*')") from None
     if cfg is None or not cfg.hf_hub_id:
         raise UserError(f"--pretrained: timm has no weights on the Hugging Face Hub for {name}; "
                         f"pick a model of timm.list_models(pretrained=True), or pass "
@@ -170,8 +174,11 @@ def _inputs_of_file(file: Path, model: str) -> dict:
     """The inputs of a --pretrained-path file: the metadata of one of our runs' model.safetensors,
     else the library's default weights for the architecture, else unknown (the data's own)."""
     if file.suffix == ".safetensors":
-        with safe_open(str(file), "pt") as f:
-            stored = f.metadata() or {}
+        try:
+            with safe_open(str(file), "pt") as f:
+                stored = f.metadata() or {}
+        except Exception:  # noqa: BLE001 - unreadable: load_pretrained says so in its line
+            stored = {}
         if "normalization" in stored:
             normalization = json.loads(stored["normalization"])
             return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
@@ -221,7 +228,10 @@ def load_pretrained(model: torch.nn.Module, weights: Weights | None, model_name:
                                                   for k, v in file_head.items())
     if swap:
         state = {k: v for k, v in state.items() if k not in head_keys}
-    missing = [k for k in own if k not in state and not (swap and k in head_keys)]
+    # BatchNorm's step counts are absent from older files (torchvision's V1 ResNets): the load fills
+    # them in itself.
+    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")
+               and not (swap and k in head_keys)]
     unexpected = [k for k in state if k not in own]
     reshaped = [k for k in state if k in own and state[k].shape != own[k].shape]
     if missing or unexpected or reshaped:
@@ -230,7 +240,7 @@ def load_pretrained(model: torch.nn.Module, weights: Weights | None, model_name:
                                     (reshaped, "of another shape")) if keys]
         raise UserError(f"the weights in {weights.file} do not fit --model {model_name}: tensors "
                         f"{'; '.join(parts)}; pass weights of this architecture")
-    model.load_state_dict(state, strict=not swap)
+    model.load_state_dict(state, strict=False)  # what does not fit was refused above
     said = f"weights from {weights.source} ({weights.file})"
     if not swap:
         return f"{said}, the head {head} kept ({num_classes} classes)"

@@ -205,6 +205,9 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_single", ["--auto-augment", "randaugment"],
            "--auto-augment randaugment draws one policy per image, in the DataLoader workers: add --loader workers "
            "(on a batch tensor torchvision applies one operation to every image)"),
+          ("train_ddp", ["--model", "timm:resnet18", "--sync-bn"],
+           "--sync-bn with --model timm:resnet18: torch's SyncBatchNorm conversion drops the activation timm keeps "
+           "inside its norm layers; drop --sync-bn"),
           ("train_ddp", ["--profile", "0"],
            "--profile 0: give the number of steps to trace, e.g. 5, or the steps to skip first and the number to "
            "trace, e.g. 20:5"),
