@@ -248,11 +248,18 @@ def intact_advice(output_dir: Path) -> str:
     return f"; the checkpoint {previous} is intact: free space in {output_dir}, {then}"
 
 
+# Not damage: every checkpoint of the run has it. Bias and norm parameters have their own group (no
+# weight decay) since fine-tuning came; the checkpoints written before have one group.
+OTHER_GROUPS = "its optimizer has another number of parameter groups than this run's"
+
+
 def _load_problem(accelerator, checkpoint: Path) -> str | None:
     """accelerator.load_state; what went wrong in a few words, naming the file; None: loaded."""
     try:
         accelerator.load_state(str(checkpoint))
     except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met
+        if "different number of parameter groups" in str(error):  # Optimizer.load_state_dict
+            return OTHER_GROUPS
         name = _file_in_traceback(error, Path(checkpoint))
         return f"{name + ' ' if name else ''}does not load ({first_line(error)})"
     return None
@@ -288,6 +295,12 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
     named = config["args"].get("resume") not in (None, "latest") \
         and Path(config["args"]["resume"]).resolve() == Path(checkpoint).resolve()
     while (problem := agree(accelerator, _load_problem(accelerator, checkpoint))) is not None:
+        if problem == OTHER_GROUPS:
+            fail_together(accelerator, (
+                f"--resume: {checkpoint}: {problem}: it was written by an earlier version of "
+                f"the scripts (one group, weight decay on every parameter); continue it with "
+                f"that version, or start a new run from its weights with --pretrained-path "
+                f"{checkpoint}/model.safetensors"))
         decision = [None, None]  # the checkpoint to load instead, or the line that stops the run
         if accelerator.is_main_process:
             step = int(STEP_DIR.match(Path(checkpoint).name).group(1))

@@ -7,16 +7,12 @@ import torch
 import torchvision
 
 from common.data_flags import add_augment_args, add_data_args, check_augment_args, check_data_args
+from common.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
 from common.errors import UserError
 from common.files import check_folder
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, build_model, model_names
 from common.pretrained import check_fine_tuning
 from common.profiling import profile_steps
-
-# torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
-# nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
-# graph breaks.
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1
@@ -40,8 +36,9 @@ TRACKERS = ("wandb", "tensorboard", "mlflow")
 RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir",
                              "keep_checkpoints", "report_to", "wandb_project", "run_name",
                              "wandb_tags", "wandb_group", "log_every", "checkpoint_every",
-                             "compile", "loader", "workers", "loader_budget", "bad_images",
-                             "profile", "lr", "clip_grad"})  # lr, clip_grad: after a diverged run
+                             "compile", "compile_mode", "loader", "workers", "loader_budget",
+                             "bad_images", "profile", "lr",
+                             "clip_grad"})  # lr, clip_grad: after a diverged run
 
 
 class Parser(argparse.ArgumentParser):
@@ -149,11 +146,16 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                        choices=COMPILE_BACKENDS,
-                       help="torch.compile the model, through Accelerate (dynamo_backend): with no "
+                       help="torch.compile the model, through Accelerate's dynamo plugin: with no "
                             "BACKEND TorchInductor, or aot_eager to check that the model traces. "
                             "Compiling takes about a minute at the start and again at the first "
                             "evaluation; scripts/benchmark.py measures whether it pays on your "
                             "machine (default: off)")
+    train.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                       help="TorchInductor's mode, with --compile: reduce-overhead replays each "
+                            "step as CUDA graphs, for GPUs waiting on the host's kernel launches "
+                            "(small models and batches); max-autotune also tunes the kernels. "
+                            "On a CPU no CUDA graphs (default: %(default)s)")
     train.add_argument("--max-steps", type=int, default=None,
                        help="stop after this many optimizer steps in all (counted from the start "
                             "of the run, resumes included), with a checkpoint; for tests and "
@@ -217,6 +219,7 @@ def check_args(args: argparse.Namespace) -> None:
         if value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
+    check_compile(args.compile, args.compile_mode, args.grad_accum)
     if "none" in args.report_to and len(args.report_to) > 1:
         raise UserError(f"--report-to {' '.join(args.report_to)}: none means no tracking; pass it "
                         f"alone, or only trackers ({', '.join(TRACKERS)})")

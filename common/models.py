@@ -143,7 +143,8 @@ def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | N
 def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
     """The qualified name of ``model``'s classifier (its head): timm's own (get_classifier), else
     the last Linear or convolution module with ``num_classes`` outputs, any number when None (our
-    ResNets' and torchvision's ResNets' ``fc``, ``classifier.1``, ``heads.head`` ...)."""
+    ResNets' and torchvision's ResNets' ``fc``, ``classifier.1``, ``heads.head`` ...; the last
+    convolution of a model without a Linear layer)."""
     names = {id(module): name for name, module in model.named_modules()}
     get_classifier = getattr(model, "get_classifier", None)
     if callable(get_classifier) and id(get_classifier()) in names:
@@ -151,6 +152,8 @@ def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
     heads = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and num_classes in (None, module.out_features)
              or isinstance(module, nn.Conv2d) and num_classes == module.out_channels]
+    if not heads and num_classes is None:  # a convolution head (squeezenet's classifier.1)
+        heads = [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)]
     if not heads:
         raise UserError(f"found no classifier with {num_classes} outputs in the model: it cannot "
                         f"be fine-tuned here")

@@ -22,8 +22,10 @@ def build_optimizer(model: torch.nn.Module, lr: float, momentum: float, weight_d
             scale = head_lr_scale if head and name.startswith(head) else 1.0
             decay = weight_decay if parameter.ndim > 1 else 0.0
             groups.setdefault((scale, decay), []).append(parameter)
+    # The groups at the base lr first: the scripts log group 0's lr as the run's lr.
     param_groups = [{"params": params, "lr": lr * scale, "lr_scale": scale, "weight_decay": decay}
-                    for (scale, decay), params in groups.items()]
+                    for (scale, decay), params in sorted(groups.items(),
+                                                         key=lambda item: item[0][0] != 1.0)]
     if kind == "adamw":
         return torch.optim.AdamW(param_groups, lr=lr)
     return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True)

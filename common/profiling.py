@@ -65,7 +65,10 @@ class StepProfiler:
         """The recorded steps are over: the trace written, the table made."""
         self.trace.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.trace))
-        self.table = per_step_table(profiler.key_averages(), self.steps[1],
+        averages = profiler.key_averages()
+        # A run that ends inside the window records fewer steps (the last one with the run's end)
+        self.recorded = sum(e.count for e in averages if e.key.startswith("ProfilerStep"))
+        self.table = per_step_table(averages, max(self.recorded, 1),
                                     self.accelerator.device.type == "cuda")
 
     def finish(self) -> None:
@@ -78,7 +81,12 @@ class StepProfiler:
             self.accelerator.print(f"--profile: the run ended before steps {skip + 1}-"
                                    f"{skip + count} of this launch: nothing traced")
             return
-        self.accelerator.print(f"--profile: steps {skip + 1}-{skip + count} of this launch traced "
+        traced = f"steps {skip + 1}-{skip + count}"
+        if self.recorded < count:  # the table is per step of those recorded, not of those asked
+            last = skip + self.recorded - 1
+            traced = (f"the run ended inside the window: steps {skip + 1}-{last} and the run's "
+                      f"end ({self.recorded} steps)")
+        self.accelerator.print(f"--profile: {traced} of this launch traced "
                                f"in {self.trace.parent} (trace_rank<N>.json: Perfetto, "
                                f"chrome://tracing); per step, the main process:\n{self.table}")
 

@@ -10,6 +10,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from common.compiling import compile_line
 from common.errors import UserError
 from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write, write_json
@@ -36,9 +37,12 @@ def git_commit() -> str | None:
 
 
 def run_config(flags: dict, derived: dict) -> dict:
-    """The resolved flags, what was derived from them and the environment: config.json and wandb."""
-    return {"args": flags, **derived, "versions": versions(), "git_commit": git_commit(),
-            "command": sys.argv}
+    """The resolved flags, what was derived from them and the environment: config.json and wandb.
+    With --compile, what it does on the device (``derived["device"]``)."""
+    compiled = compile_line(flags.get("compile"), flags.get("compile_mode", "default"),
+                            derived.get("device", ""))
+    return {"args": flags, **derived, **({"compile": compiled} if compiled else {}),
+            "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
 
 
 # What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir

@@ -300,12 +300,11 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
                 + (" (deterministic)" if args["deterministic"] else ""))
     data = f"{config['train_size']} training images ({config['data']}), {data_line}"
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
-    tuned = config.get("fine_tune")  # --pretrained, --pretrained-path: a line of its own
-    tuning = f"\n{SCRIPT_INDENT}{tuned['loaded']}" if tuned else ""
-    if tuned and "frozen" in tuned:
-        tuning += f"\n{SCRIPT_INDENT}{tuned['frozen']}"
+    tuned = config.get("fine_tune", {})  # --pretrained, --pretrained-path, --compile: lines
+    notes = (tuned.get("loaded"), tuned.get("frozen"), config.get("compile"))  # of their own
+    notes = "".join(f"\n{SCRIPT_INDENT}{note}" for note in notes if note)
     return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "
-            f"{numerics}, {data}, {steps}, record in {output_dir}{tuning}")
+            f"{numerics}, {data}, {steps}, record in {output_dir}{notes}")
 
 
 class EpochMeter:

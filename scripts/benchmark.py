@@ -148,6 +148,11 @@ def available_strategies(gpus: int) -> dict[str, Strategy]:
         where = f"DDP on {gpus} GPUs" if gpus > 1 else "1 GPU"
         rows.append(Strategy(name, f"train_amp, {where}, {precision}", "train_amp.py", gpus, gpus,
                              precision, ("--mixed-precision", precision)))
+    if tools.native_bf16():  # each step replayed as CUDA graphs: no per-kernel launch cost
+        rows.append(Strategy("bf16-graphs", "train_amp, 1 GPU, bf16, CUDA graphs (--compile "
+                             "--compile-mode reduce-overhead)", "train_amp.py", 1, 1, "bf16",
+                             ("--mixed-precision", "bf16", "--compile", "--compile-mode",
+                              "reduce-overhead")))
     return {s.name: s for s in rows}
 
 
@@ -156,7 +161,8 @@ def parse_args(argv=None):
     parser.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
                         help="rows to run (default: every one this machine can run: "
                              "single bf16 ddp2 on a CPU; "
-                             "single dp ddp2 ddp4 ... ddpN-fp16 ddpN-bf16 with N GPUs)")
+                             "single dp ddp2 ddp4 ... ddpN-fp16 ddpN-bf16 bf16-graphs with N "
+                             "GPUs)")
     parser.add_argument("--model", default="resnet18",
                         help="as in the training scripts (default: %(default)s)")
     parser.add_argument("--per-device-batch-size", type=int, default=128,

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, build_parser, check_args
+from common.compiling import compile_plugin
 from common.data_flags import data_options
 from common.data_parallel import checked_gpus, memory_report
 from common.ema import WeightAverage
@@ -115,7 +116,7 @@ def set_up(args) -> Accelerator:
     accelerator = Accelerator(
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_backend=args.compile or "no",  # --compile: prepare() wraps the model in compile()
+        dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.

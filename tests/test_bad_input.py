@@ -116,6 +116,15 @@ CASES = {
                                     "error: --compile inductor: not offered with DataParallel"),
     "unknown --compile backend": (python("train_single.py"), [*SMALL, "--compile", "tvmx"], None,
                                   "error: argument --compile: invalid choice: 'tvmx'"),
+    "--compile-mode without --compile inductor": (
+        python("train_ddp.py"), [*SMALL, "--compile", "aot_eager", "--compile-mode", "reduce-overhead"], None,
+        "error: --compile-mode reduce-overhead with --compile aot_eager: the modes are TorchInductor's; add "
+        "--compile (inductor) or drop --compile-mode"),
+    "CUDA graphs with --grad-accum": (
+        python("train_amp.py"), [*SMALL, "--compile", "--compile-mode", "max-autotune", "--grad-accum", "2"], None,
+        "error: --compile-mode max-autotune with --grad-accum 2: CUDA graphs replay into the same buffers, so one "
+        "micro-batch's gradients can be overwritten by the next's before they are added up (pytorch#169545); use "
+        "--compile-mode max-autotune-no-cudagraphs, or --grad-accum 1 with a smaller --batch-size"),
     "Accelerate config that does not exist": (
         accelerate("nothing.yaml") + [str(ROOT / "scripts" / "train_ddp.py")], SMALL, None,
         "configuration file `{root}/accelerate_configs/nothing.yaml` does not exist"),

@@ -139,6 +139,33 @@ def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(co
     assert tree_digest(copy) == before
 
 
+def test_a_checkpoint_of_one_parameter_group_is_said_to_be_of_an_earlier_version(copy, tmp_path):
+    """Checkpoints written before bias and norm parameters got their own group (no weight decay)
+    hold one group: every checkpoint of such a run has it, so no older one is tried and nothing is
+    called damaged. The real bytes: each optimizer.bin rewritten with its groups merged, the
+    manifest written for them, as that version wrote it."""
+    for checkpoint in sorted((copy / "checkpoints").iterdir()):
+        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+        merged = {**state["param_groups"][0], "params": sorted(i for g in state["param_groups"] for i in g["params"])}
+        state["param_groups"] = [merged]
+        torch.save(state, checkpoint / "optimizer.bin")
+        manifest = json.loads((checkpoint / "checkpoint.json").read_text())
+        manifest = {k: v for k, v in manifest.items() if k != "crc32"}  # an earlier version: sizes only
+        manifest["files"]["optimizer.bin"] = (checkpoint / "optimizer.bin").stat().st_size
+        (checkpoint / "checkpoint.json").write_text(json.dumps(manifest))
+    (copy / "model.safetensors").unlink()
+    before = tree_digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [line] = diagnostics(done.stderr)
+    newest = copy / "checkpoints" / step(8)
+    assert line == (f"error: --resume: {newest}: its optimizer has another number of parameter groups than this "
+                    f"run's: it was written by an earlier version of the scripts (one group, weight decay on "
+                    f"every parameter); continue it with that version, or start a new run from its weights "
+                    f"with --pretrained-path {newest}/model.safetensors")
+    assert tree_digest(copy) == before
+
+
 def test_a_manifest_listing_nothing_is_damaged(base, copy):
     """checkpoint.json rewritten to list no file: the checkpoint is damaged, not empty; the resume
     falls back to the one before and ends with the uninterrupted run's weights."""

@@ -62,6 +62,21 @@ def test_a_profile_window_after_the_run_is_said(tmp_path):
     assert not (tmp_path / "run" / "profile").exists()
 
 
+def test_a_run_that_ends_inside_the_window_says_so_and_divides_by_the_steps_it_traced(tmp_path):
+    # steps 3-7 asked, the run ends after step 4: steps 3 and 4 and the run's end are traced
+    done = run("train_single.py", *FLAGS, "--max-steps", "4", "--profile", "2:5", "--output-dir", tmp_path / "run",
+               cwd=tmp_path)
+    said = "--profile: the run ended inside the window: steps 3-4 and the run's end (3 steps) of this launch traced"
+    assert said in done.stdout
+    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if str(e.get("name")).startswith("ProfilerStep#")}
+    assert len(steps) == 3
+    # the table is per traced step: the top op's calls are its calls in the trace over 3, not over 5
+    top = done.stdout.split("of this launch traced", 1)[1].splitlines()[3].split()
+    in_trace = sum(e.get("name") == top[0] and e.get("ph") == "X" for e in trace["traceEvents"])
+    assert float(top[1]) == pytest.approx(in_trace / 3, abs=0.05), (top, in_trace)
+
+
 # ---------------------------------------------------------------------------------- NVML, replaced
 
 def test_utilisation_is_sampled_beside_training_and_averaged_per_gpu(monkeypatch):
