@@ -153,6 +153,17 @@ def test_parameter_groups_decay_weights_only_and_give_the_head_its_lr(tuned):
         assert len(head) == 1 and group["lr_scale"] == (10 if head == {True} else 1)
         assert group["lr"] == pytest.approx(base * group["lr_scale"])
     assert "lr 0.001," in done.stdout  # AdamW's default lr (batch 24 = --reference-batch-size)
+    assert probe["groups"][0]["lr_scale"] == 1  # the group whose lr the log line shows is the base lr's
+
+
+def test_head_lr_scale_finds_a_convolution_head_and_logs_the_base_lr_first():
+    from common.optim import build_optimizer
+    model = build_model("torchvision:squeezenet1_1", CLASSES, 64)  # its head: classifier.1, a 1x1 convolution
+    groups = build_optimizer(model, 0.1, 0.9, 5e-4, head_lr_scale=10).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    head = [g for g in groups if g["lr_scale"] == 10]
+    assert sorted(names[id(p)] for g in head for p in g["params"]) == ["classifier.1.bias", "classifier.1.weight"]
+    assert groups[0]["lr_scale"] == 1 and groups[0]["lr"] == 0.1
 
 
 def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, tuned, tmp_path):
