@@ -10,13 +10,18 @@ allocate memory, search cuDNN's algorithms and compile); ``--profile S:N`` after
 profiler is Accelerate's (``ProfileKwargs(...).build()``: torch.profiler with a schedule of one
 warm-up step, then N recorded), so it costs nothing on the steps outside it. Each process writes
 RUN/profile/trace_rank<N>.json, a Chrome trace that Perfetto (ui.perfetto.dev) and
-chrome://tracing open. The table: each op's calls and self time per step, on the CPU and on the
-GPU, the top ROWS by the time of the device that trains.
+chrome://tracing open. Two tables: each op's calls and self time per step, on the CPU and on the
+GPU, the top ROWS by the time of the device that trains; and the same time by what the training
+loop called to run it (the model's forward, the backward, the optimizer, the augmentation, the stop
+check, the loader ...), from each op's Python stack: the per-step work outside the model, counted.
 """
 
 import re
+import sys
+from collections import defaultdict
 from pathlib import Path
 
+import torch
 from accelerate.utils import ProfileKwargs
 
 from common.errors import UserError
@@ -54,7 +59,11 @@ class StepProfiler:
             activities=["cpu", "cuda"] if gpu else ["cpu"], on_trace_ready=self._ready,
             # one warm-up step before the recorded ones: the profiler's own start is left out
             schedule_option={"skip_first": max(skip - 1, 0), "wait": 0, "warmup": min(skip, 1),
-                             "active": count, "repeat": 1}).build()
+                             "active": count, "repeat": 1}, with_stack=True).build()
+        # Each op's Python callers, for the table by caller: torch keeps them only with a verbose
+        # config, which ProfileKwargs does not pass on (read when the profiler starts).
+        self.profiler.experimental_config = torch.profiler._ExperimentalConfig(verbose=True)
+        self.script = Path(sys.argv[0]).name  # the file of the training loop
         self.profiler.start()
 
     def step(self) -> None:
@@ -68,8 +77,9 @@ class StepProfiler:
         averages = profiler.key_averages()
         # A run that ends inside the window records fewer steps (the last one with the run's end)
         self.recorded = sum(e.count for e in averages if e.key.startswith("ProfilerStep"))
-        self.table = per_step_table(averages, max(self.recorded, 1),
-                                    self.accelerator.device.type == "cuda")
+        gpu = self.accelerator.device.type == "cuda"
+        self.table = per_step_table(averages, max(self.recorded, 1), gpu)
+        self.callers = per_caller_table(profiler.events(), max(self.recorded, 1), gpu, self.script)
 
     def finish(self) -> None:
         """Stop profiling; print (main process) what was traced, where, and the table."""
@@ -89,6 +99,9 @@ class StepProfiler:
         self.accelerator.print(f"--profile: {traced} of this launch traced "
                                f"in {self.trace.parent} (trace_rank<N>.json: Perfetto, "
                                f"chrome://tracing); per step, the main process:\n{self.table}")
+        if self.callers:
+            self.accelerator.print(f"--profile: per step, by what {self.script}'s loop called "
+                                   f"(the model, and all the rest):\n{self.callers}")
 
 
 def per_step_table(averages, steps: int, gpu: bool) -> str:
@@ -111,3 +124,57 @@ def per_step_table(averages, steps: int, gpu: bool) -> str:
     total = f"{'all ops':<44} {sum(e.count for e in events) / steps:>7.1f} {cpu:>12.1f}"
     lines.append(total + (f" {sum(device_time(e) for e in events) / steps:>12.1f}" if gpu else ""))
     return "\n".join(lines)
+
+
+def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
+    """torch.profiler's ops (``events``) grouped by what the training loop in ``script`` called to
+    run them (the frame below the loop's in each op's Python stack: the model's forward, the
+    backward, the optimizer, the augmentation, the stop check ...): ops called per step, self CPU
+    and self GPU time (microseconds) per step, most costly first. None without stacks."""
+    rows = defaultdict(lambda: [0, 0.0, 0.0])
+    for event in events:
+        if not event.name.startswith(("aten::", "cuda", "autograd::engine")) or \
+                not str(event.device_type).endswith("CPU"):
+            continue  # the step markers, the Python calls, the GPU's side of each kernel
+        row = rows[_caller(event, script)]
+        row[0] += event.name.startswith("aten::") and not (
+            event.cpu_parent and event.cpu_parent.name.startswith("aten::"))  # an op, not a part
+        row[1] += event.self_cpu_time_total
+        row[2] += getattr(event, "self_device_time_total", 0.0) or 0.0
+    if set(rows) <= {None}:
+        return None
+    order = sorted(rows.items(), key=lambda item: item[1][2 if gpu else 1], reverse=True)
+    header = f"{'called from the loop':<56} {'ops':>6} {'self CPU us':>12}"
+    header += f" {'self GPU us':>12}" if gpu else ""
+    lines = [header, "-" * len(header)]
+    for caller, (ops, cpu, device) in order[:ROWS]:
+        line = f"{(caller or 'no Python caller')[:56]:<56} {ops / steps:>6.1f} " \
+               f"{cpu / steps:>12.1f}"
+        lines.append(line + (f" {device / steps:>12.1f}" if gpu else ""))
+    return "\n".join(lines)
+
+
+# Frames that only pass a call on: the frame inside them says what ran.
+_WRAPPERS = ("torch/nn/modules/module.py", "tqdm/std.py", "contextlib.py")
+
+
+def _caller(event, script: str) -> str | None:
+    """What the loop called to run ``event``, from its Python stack (innermost frame first): the
+    frame below the loop's, through wrappers (a module's __call__, tqdm); the backward for an op
+    that autograd's engine ran (its stack is the forward's). Paths cut to their last two parts."""
+    parent, stack = event, None
+    while parent is not None:
+        if parent.name.startswith("autograd::engine"):
+            return "the backward (autograd's engine)"
+        stack = stack or parent.stack  # a kernel launch's is its op's
+        parent = parent.cpu_parent
+    frames = [frame for frame in stack or () if ".py(" in frame]
+    loop = next((i for i, frame in enumerate(frames) if f"{script}(" in frame), None)
+    if loop is None:
+        return None
+    if loop == 0:
+        return f"{script}: its own lines"
+    inner = frames[:loop]
+    called = next((f for f in reversed(inner) if not any(w in f for w in _WRAPPERS)), inner[-1])
+    path, _, where = called.rpartition(".py(")
+    return f"{'/'.join(Path(path).parts[-2:])}.py: {where.split(': ', 1)[-1]}"

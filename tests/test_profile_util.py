@@ -48,6 +48,31 @@ def test_profile_prints_the_ops_that_cost_most_per_step(profiled):
     assert any(row.group(1).startswith("aten::") for row in rows)
 
 
+def test_profile_attributes_each_step_s_time_to_what_the_loop_called(profiled):
+    """The per-step work outside the model, counted: each op under the call of train_single.py's loop it
+    ran for (the model, the backward, the optimizer, the augmentation, the stop check ...)."""
+    _, done = profiled
+    head = "--profile: per step, by what train_single.py's loop called (the model, and all the rest):"
+    assert head in done.stdout
+    table = done.stdout.split(head, 1)[1].splitlines()[1:]
+    assert re.match(r"called from the loop +ops +self CPU us$", table[0])
+    rows = {}
+    for line in table[2:]:
+        found = re.match(r"(\S.*?) +([\d.]+) +([\d.]+)$", line)
+        if not found:
+            break
+        rows[found.group(1)] = (float(found.group(2)), float(found.group(3)))
+    times = [cpu for _, cpu in rows.values()]
+    assert times == sorted(times, reverse=True), rows
+    for caller in ("the backward (autograd's engine)", "common/models.py: forward", "data/transform.py: train",
+                   "accelerate/optimizer.py: step", "common/step_guard.py: check"):
+        assert caller in rows, (caller, rows)
+    # ResNet-20: the forward and backward of its 19 convolutions are most of the step, each op counted once
+    model = rows["the backward (autograd's engine)"][1] + rows["common/models.py: forward"][1]
+    assert model > 0.8 * sum(times), rows
+    assert rows["common/models.py: forward"][0] >= 19 * 3  # a convolution, a norm and an activation each
+
+
 def test_a_cpu_run_says_why_it_has_no_gpu_utilisation(profiled):
     out, done = profiled
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
