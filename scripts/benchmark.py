@@ -384,18 +384,20 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
         launches = [batch / statistics.median(run["step_seconds"]) for run in single["runs"]]
         neighbours = [(before + after) / 2
                       for before, after in zip(plain[baseline], plain[baseline][1:])]
-        ratio = statistics.median(s / p for s, p in zip(launches, neighbours))
+        ratios = [s / p for s, p in zip(launches, neighbours)]
+        ratio = statistics.median(ratios)
         results.append(check(
             "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
             f"{ratio:.3f}x ({statistics.median(launches):.1f} vs "
-            f"{statistics.median(neighbours):.1f} img/s; {args.model}, batch {batch})", ">= 0.97x",
+            f"{statistics.median(neighbours):.1f} img/s; {args.model}, batch {batch}; "
+            f"{len(ratios)} launches: {min(ratios):.3f}x to {max(ratios):.3f}x)", ">= 0.97x",
             f"each of train_single's {len(launches)} launches against the plain-loop rounds just "
             f"before and after it, by median step times ({len(script_steps)} and "
             f"{len(plain_steps)} steps), the loop in channels_last as train_single runs by "
             f"default; train_single also augments every batch "
             f"({100 * single['data_wait_frac']:.1f} % of its step time), steps its schedule and "
             f"checks the loss for NaN", single["other_work"]))
-        results[-1].update(train_single_step_seconds=script_steps,
+        results[-1].update(launch_ratios=ratios, train_single_step_seconds=script_steps,
                            plain_step_seconds=list(plain_steps))
     if "data" in checks:
         results += data_checks(single, args, device)
