@@ -55,6 +55,9 @@ class Weights:
     std: tuple[float, ...] | None = None
     input_size: int | None = None
     interpolation: str | None = None
+    # A resumed run's weights whose file is gone: what the run recorded of them, not loaded (the
+    # checkpoint replaces every tensor anyway)
+    recorded_only: bool = False
 
     @property
     def normalization(self) -> dict | None:
@@ -83,9 +86,37 @@ def check_fine_tuning(pretrained: bool, path: str | None, freeze: str, head_lr_s
                         f"(the classifier's lr 10 times the rest's)")
 
 
-def find_weights(model: str, pretrained: bool, path: str | None) -> Weights | None:
+def find_weights(model: str, pretrained: bool, path: str | None,
+                 checkpoint: Path | None = None) -> Weights | None:
     """The weights --pretrained or --pretrained-path name for --model ``model``, found or
-    downloaded now, so that a run without them stops before it loads any data (a UserError)."""
+    downloaded now, so that a run without them stops before it loads any data (a UserError). A run
+    resuming ``checkpoint`` whose file is gone (a cleaned cache, another machine) goes on with what
+    its config.json recorded of them: the checkpoint holds the trained weights."""
+    try:
+        return _find_weights(model, pretrained, path)
+    except UserError:
+        recorded = _recorded_weights(checkpoint)
+        if recorded is None:
+            raise
+        return recorded
+
+
+def _recorded_weights(checkpoint: Path | None) -> Weights | None:
+    """The weights config.json of ``checkpoint``'s run records (None: none, or no checkpoint)."""
+    if checkpoint is None:
+        return None
+    try:
+        config = json.loads((Path(checkpoint).parent.parent / "config.json").read_text())
+        tuned, normalization = config["fine_tune"], config["fine_tune"]["normalization"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Weights(Path(tuned["file"]), tuned["source"],
+                   tuple(normalization["mean"]) if normalization else None,
+                   tuple(normalization["std"]) if normalization else None,
+                   tuned.get("input_size"), tuned.get("interpolation"), recorded_only=True)
+
+
+def _find_weights(model: str, pretrained: bool, path: str | None) -> Weights | None:
     if path is not None:
         file = Path(path).expanduser()
         if not file.is_file():
@@ -202,7 +233,10 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     were trained at (--image-size wins) are said in the same line, as a warning."""
     if weights is None:
         return {}
-    done = {**weights.config, "loaded": load_pretrained(model, weights, model_name, num_classes)}
+    loaded = (f"weights of {weights.source} not read ({weights.file} is gone): the checkpoint "
+              f"resumed holds the trained ones" if weights.recorded_only
+              else load_pretrained(model, weights, model_name, num_classes))
+    done = {**weights.config, "loaded": loaded}
     if weights.input_size and image_size != weights.input_size:
         done["loaded"] += (f"; warning: the weights were trained on {weights.input_size} px "
                            f"images and --image-size {image_size} differs: accuracy may suffer")

@@ -101,9 +101,10 @@ def main(args):
                                                       __file__)
 
     # ------------------------------------------------------------------------------------ data
-    # --pretrained, --pretrained-path: the weights' file, found now (one line if it is missing)
+    # --pretrained, --pretrained-path: the weights' file, found now (one line if it is missing;
+    # a resumed run needs only what the run recorded of them: the checkpoint holds the weights)
     weights = refused_together(accelerator, find_weights, args.model, args.pretrained,
-                               args.pretrained_path)
+                               args.pretrained_path, checkpoint)
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
     # (with pretrained weights at their input size, normalised with their mean and std)
     data = load_inputs(data_options(args, weights), accelerator)

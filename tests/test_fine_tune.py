@@ -12,6 +12,7 @@ groups, and one line for each way the weights can be missing or wrong.
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -167,12 +168,18 @@ def test_head_lr_scale_finds_a_convolution_head_and_logs_the_base_lr_first():
 
 
 def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, tuned, tmp_path):
-    out = tmp_path / "run"
-    common = ["--pretrained-path", place[2], "--optimizer", "adamw", "--head-lr-scale", "10", "--weight-decay",
+    """... also when the weights' file is gone by then (a cleaned cache, another machine): the resumed
+    run needs only what config.json recorded of them, the checkpoint holds the rest."""
+    out, file = tmp_path / "run", tmp_path / "imagenet.safetensors"
+    shutil.copy(place[2], file)
+    common = ["--pretrained-path", file, "--optimizer", "adamw", "--head-lr-scale", "10", "--weight-decay",
               "0.05", "--checkpoint-every", "1"]
     train(place, "train_single.py", out, *common, "--max-steps", "4")
+    file.unlink()
     done = train(place, "train_single.py", out, *common, "--resume")
     assert "resumed from" in done.stdout and "step 4" in done.stdout
+    assert f"weights of --pretrained-path not read ({file} is gone): the checkpoint resumed holds the trained " \
+           f"ones" in done.stdout
     ours, theirs = weights(out), weights(tuned[0])
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
