@@ -158,11 +158,9 @@ def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
     assert "done: step 16" in followed.stdout and all_finite(out)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["lr"] == pytest.approx(0.05 / 25 / 1e4, rel=0.2)  # one-cycle's floor of the new peak
-    # its other branch, for a loss that had grown before the checkpoint: a new start, elsewhere
+    # its other branch, for a loss that had grown before the checkpoint: a new start, elsewhere (a new run
+    # with --lr: every run of the suite is one)
     assert error.endswith("if the loss had grown large before it, start again with a lower --lr in a new --output-dir")
-    again = finish(SINGLE, tmp_path, "--output-dir", tmp_path / "again", "--lr", "0.05")
-    assert again.returncode == 0 and "done: step 16" in again.stdout and all_finite(tmp_path / "again")
-    assert json.loads((tmp_path / "again" / "config.json").read_text())["args"]["lr"] == 0.05
     # fp16's advice after 100 skipped steps (a GPU's; its form here): an older checkpoint of the run,
     # continued in a new folder with a lower --lr and --clip-grad.
     elsewhere = finish(SINGLE, tmp_path, "--resume", out / "checkpoints" / "step_00000008", "--output-dir",
