@@ -170,13 +170,18 @@ def test_gpu_rows_follow_the_gpu_count(monkeypatch):
     assert list(benchmark.available_strategies(0)) == ["single", "bf16", "ddp2"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16"]
+    assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16", "bf16-graphs"]
     assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "fsdp6",
-                                                       "ddp6-fp16", "ddp6-bf16"]
+                                                       "ddp6-fp16", "ddp6-bf16", "bf16-graphs"]
+    graphs = benchmark.available_strategies(6)["bf16-graphs"]  # CUDA graphs: one GPU, bf16, reduce-overhead
+    assert (graphs.script, graphs.processes, graphs.precision) == ("train_amp.py", 1, "bf16")
+    assert graphs.flags == ("--mixed-precision", "bf16", "--compile", "--compile-mode", "reduce-overhead")
     rows = benchmark.available_strategies(4)
     assert rows["ddp4-bf16"].launcher()[-4:] == ["--config_file", "accelerate_configs/4gpu.yaml",
                                                   "--num_processes", "4"]
     assert rows["ddp4-bf16"].flags == ("--mixed-precision", "bf16") and rows["dp"].launcher() == [sys.executable]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # no native bf16
+    assert "bf16-graphs" not in benchmark.available_strategies(1)
 
 
 # ------------------------------------------------------------ GPU memory and matmul peaks, faked
