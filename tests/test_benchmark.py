@@ -397,7 +397,13 @@ def test_docs_show_the_committed_benchmark_run():
     folder = ROOT / "docs" / "benchmark"
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     tables = [line for line in (folder / "benchmark.md").read_text().splitlines() if line.startswith("|")]
-    assert len(tables) > 15 and [line for line in tables if line not in page] == []
+    # ... but its overhead row (PASS against the older NCHW loop), which the page shows from the later
+    # run of the current check kept in docs/benchmark/overhead, unedited too
+    overhead = [line for line in tables if line.startswith("| overhead:")]
+    assert len(tables) > 15 and [line for line in tables if line not in page] == overhead
+    later = (folder / "overhead" / "benchmark.md").read_text().splitlines()
+    assert [line for line in later if line.startswith("| overhead:") and line in page] != []
+    assert overhead[0].endswith("| PASS |") and not any(line in page for line in overhead)
     assert "](benchmark/benchmark.png)" in page
     report = json.loads((folder / "benchmark.json").read_text())
     assert report["machine"]["gpus"] == [] and report["sweep"] and not any(r.get("error") for r in report["rows"])
