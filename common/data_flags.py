@@ -135,14 +135,16 @@ TRAINING_DATA_FLAGS = ("seed", "batch_size", "grad_accum", "augment", "channels_
 def data_options(args: argparse.Namespace, weights=None) -> DataOptions:
     """What the input path needs of the parsed flags: common.inputs.load_inputs(data_options(args),
     accelerator). The data flags, and those training flags (TRAINING_DATA_FLAGS) the parser has.
-    With pretrained ``weights`` (common.pretrained.Weights), their mean and std, and their input
-    size unless --image-size is given."""
+    With pretrained ``weights`` (common.pretrained.Weights), their mean and std, their
+    interpolation (Weights.resize_interpolation), and their input size unless --image-size is
+    given."""
     training = {name: getattr(args, name) for name in TRAINING_DATA_FLAGS if hasattr(args, name)}
     image_size = args.image_size or (weights.input_size if weights else None)
     normalization = weights.normalization if weights else None
+    interpolation = weights.resize_interpolation if weights else "bilinear"
     return DataOptions(dataset=args.dataset, data_dir=args.data_dir, cache_dir=args.cache_dir,
                        val_fraction=args.val_fraction, image_size=image_size,
-                       normalization=normalization,
+                       normalization=normalization, interpolation=interpolation,
                        loader=args.loader, workers=args.workers,
                        loader_budget=args.loader_budget, bad_images=args.bad_images,
                        synthetic_train_size=args.synthetic_train_size,

@@ -50,6 +50,7 @@ class Inputs:
     loader: str  # "device" or "workers"
     why: str  # why that loader, for the start line
     workers: int
+    interpolation: str  # of every resize (DataOptions.interpolation)
     # --val-fraction and --seed, which evaluation needs to find the same split
     eval_split: dict | None = None
     # --mixup, --cutmix: images, labels = mix(images, labels, micro_batch) (off: as they are)
@@ -66,18 +67,19 @@ class Inputs:
         return {"data": self.source, "classes": self.classes, "train_size": self.train_size,
                 "test_size": self.test_size, "image_size": [self.image_size, self.image_size],
                 "loader": self.loader, "loader_reason": self.why, "loader_workers": self.workers,
-                "train_crop": crop_mode(self.image_size),
+                "train_crop": crop_mode(self.image_size), "interpolation": self.interpolation,
                 "normalization": {"mean": self.transform.mean.flatten().tolist(),
                                   "std": self.transform.std.flatten().tolist()},
                 **({"eval_split": self.eval_split} if self.eval_split else {})}
 
     @property
     def line(self) -> str:
-        """For the start line: the loader, why, and the resolution."""
+        """For the start line: the loader, why, and the resolution and its interpolation."""
         workers = ""
         if self.loader == "workers":
             workers = f", {self.workers} {'worker' if self.workers == 1 else 'workers'} per process"
-        return f"{self.image_size}px, loader {self.loader}{workers} ({self.why})"
+        return (f"{self.image_size}px ({self.interpolation}), loader {self.loader}{workers} "
+                f"({self.why})")
 
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:
@@ -149,7 +151,8 @@ def _cached(options: DataOptions, image_size: int | None,
     if options.loader == "workers" or options.data_dir is not None \
             or options.dataset == "synthetic":
         return None
-    data = cached_hub_data(options.dataset, options.cache_dir, options.bad_images == "skip")
+    data = cached_hub_data(options.dataset, options.cache_dir, options.bad_images == "skip",
+                           options.interpolation)
     if data is None or image_size not in (None, data.train_images.shape[-1]):
         return None
     if batch_size is not None:
@@ -183,7 +186,8 @@ def _build(options, accelerator, source, image_size, batch_size, seed, val_fract
         data = load_image_data(options.dataset, options.data_dir, options.cache_dir,
                                options.synthetic_train_size, options.synthetic_test_size,
                                seed=seed, image_size=None if size == native else size,
-                               val_fraction=val_fraction, skip_bad=skip_bad)
+                               val_fraction=val_fraction, skip_bad=skip_bad,
+                               interpolation=options.interpolation)
         return _on_device(options, device, data, batch_size, seed, val_fraction, augment,
                           normalization, why)
     workers = options.workers
@@ -195,19 +199,19 @@ def _build(options, accelerator, source, image_size, batch_size, seed, val_fract
     if normalization:
         stats = normalization["mean"], normalization["std"]
     else:
-        stats = sample_stats(source.train, size)
+        stats = sample_stats(source.train, size, interpolation=options.interpolation)
     transform = BatchTransform(*stats, augment=False, channels_last=options.channels_last,
                                **_batch_augmentation(options, augment))
     common = dict(size=size, batch_size=batch_size, workers=workers, seed=seed,
                   process=accelerator.process_index, pin_memory=device.type == "cuda",
-                  skip_bad=skip_bad)
+                  skip_bad=skip_bad, interpolation=options.interpolation)
     train_loader = None
     if augment is not None:
         train_loader = worker_loader(source.train, train=True, augment=augment,
                                      auto_augment=options.auto_augment, **common)
     return Inputs(train_loader, worker_loader(source.test, train=False, **common), transform,
                   source.classes, source.source, len(source.train), len(source.test), size,
-                  loader, why, workers, _eval_split(val_fraction, seed))
+                  loader, why, workers, options.interpolation, _eval_split(val_fraction, seed))
 
 
 def _on_device(options, device, data, batch_size, seed, val_fraction, augment, normalization,
@@ -219,6 +223,7 @@ def _on_device(options, device, data, batch_size, seed, val_fraction, augment, n
     else:
         stats = channel_stats(data.train_images)
     transform = BatchTransform(*stats, augment=bool(augment), channels_last=options.channels_last,
+                               interpolation=options.interpolation,
                                **_batch_augmentation(options, augment))
     data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
     train_loader = None
@@ -229,7 +234,7 @@ def _on_device(options, device, data, batch_size, seed, val_fraction, augment, n
                   tensor_loader(data.test_images, data.test_labels, batch_size, shuffle=False),
                   transform, data.classes, data.source, len(data.train_labels),
                   len(data.test_labels), data.train_images.shape[-1], "device", why, 0,
-                  _eval_split(val_fraction, seed))
+                  options.interpolation, _eval_split(val_fraction, seed))
 
 
 def _batch_augmentation(options: DataOptions, augment: bool | None) -> dict:

@@ -20,24 +20,27 @@ a silent random init.
 
 The inputs: mean, std, input size and interpolation come from the weights' own config (timm's
 pretrained config, torchvision's weight transforms, or the metadata of one of our runs'
-model.safetensors), so a run normalises as the weights were trained, not with its folder's
-statistics. Our data path resizes with bilinear interpolation (antialiased) whatever the weights
-say; their interpolation is recorded with the rest in config.json.
+model.safetensors), so a run normalises and resizes as the weights were trained, not with its
+folder's statistics. Every resize of the data path (the decode cache, the evaluation view, the
+random-resized crops of both loaders) is antialiased and takes their interpolation, bilinear
+(torchvision's weights) or bicubic (timm's ResNets); any other (timm's "random", "nearest") is
+resized bilinear, with a warning in fine_tune's line (Weights.resize_interpolation). config.json
+records what the weights say (fine_tune) and what the run used (interpolation), model.safetensors
+the latter, which scripts/evaluate.py and a later --pretrained-path of the file take.
 """
 
 import dataclasses
-import json
 import math
 import os
 import socket
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from common.data.images import INTERPOLATIONS
 from common.errors import UserError, first_line
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, classifier_name
-from common.weights import load_weights
+from common.weights import load_weights, read_metadata
 
 # Seconds a download of torchvision's weights may wait for the network at each step (connect,
 # read) before --pretrained gives up with its line; the Hub has its own (HF_HUB_ETAG_TIMEOUT).
@@ -64,6 +67,12 @@ class Weights:
         if self.mean is None:
             return None
         return {"mean": list(self.mean), "std": list(self.std)}
+
+    @property
+    def resize_interpolation(self) -> str:
+        """The interpolation the data path resizes with for them: theirs when it has it
+        (INTERPOLATIONS), else bilinear."""
+        return self.interpolation if self.interpolation in INTERPOLATIONS else "bilinear"
 
     @property
     def config(self) -> dict:
@@ -204,16 +213,13 @@ def _torchvision_inputs(weights) -> dict:
 def _inputs_of_file(file: Path, model: str) -> dict:
     """The inputs of a --pretrained-path file: the metadata of one of our runs' model.safetensors,
     else the library's default weights for the architecture, else unknown (the data's own)."""
-    if file.suffix == ".safetensors":
-        try:
-            with safe_open(str(file), "pt") as f:
-                stored = f.metadata() or {}
-        except Exception:  # noqa: BLE001 - unreadable: load_pretrained says so in its line
-            stored = {}
-        if "normalization" in stored:
-            normalization = json.loads(stored["normalization"])
-            return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
-                    "input_size": json.loads(stored.get("image_size", "[null]"))[0]}
+    stored = read_metadata(file)  # {} when unreadable: load_pretrained says so in its line
+    if "normalization" in stored:
+        normalization = stored["normalization"]
+        return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
+                "input_size": stored.get("image_size", [None])[0],
+                # runs that did not record it resized bilinear
+                "interpolation": stored.get("interpolation", "bilinear")}
     if model.startswith(TIMM_PREFIX):
         from timm.models import get_pretrained_cfg
         cfg = get_pretrained_cfg(model.removeprefix(TIMM_PREFIX))
@@ -230,7 +236,8 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     """``weights`` loaded into ``model`` (load_pretrained), its backbone frozen if ``freeze`` is
     "backbone" (freeze_backbone): {"fine_tune": what was done, for config.json and the start
     line}, or {} for a model of random weights. Images of another ``image_size`` than the weights
-    were trained at (--image-size wins) are said in the same line, as a warning."""
+    were trained at (--image-size wins), and an interpolation the data path does not have, are said
+    in the same line, as warnings."""
     if weights is None:
         return {}
     loaded = (f"weights of {weights.source} not read ({weights.file} is gone): the checkpoint "
@@ -240,6 +247,10 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     if weights.input_size and image_size != weights.input_size:
         done["loaded"] += (f"; warning: the weights were trained on {weights.input_size} px "
                            f"images and --image-size {image_size} differs: accuracy may suffer")
+    if weights.interpolation and weights.interpolation != weights.resize_interpolation:
+        done["loaded"] += (f"; warning: the weights were trained on images resized with "
+                           f"{weights.interpolation!r} interpolation, which this data path does "
+                           f"not do: it resizes bilinear")
     if freeze == "backbone":
         done["frozen"] = freeze_backbone(model, num_classes)
     return {"fine_tune": done}

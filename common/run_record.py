@@ -48,7 +48,8 @@ def run_config(flags: dict, derived: dict) -> dict:
 # What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir
 # must hold the same data. The precision, which the Accelerate config may set, is compared on its
 # own.
-SAME_ON_RESUME = ("classes", "image_size", "normalization", "train_size", "loader", "eval_split")
+SAME_ON_RESUME = ("classes", "image_size", "normalization", "interpolation", "train_size", "loader",
+                  "eval_split")
 
 
 def _precision(config: dict) -> str:

@@ -28,7 +28,8 @@ def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
     """The final weights as a plain state dict in safetensors: loads into an unwrapped model.
 
     ``metadata`` is what evaluation needs besides the weights (the model name, the class names, the
-    normalisation, the input size); values that are not strings are stored as JSON (read_metadata).
+    normalisation, the input size and its interpolation); values that are not strings are stored
+    as JSON (read_metadata).
     """
     state = {k: v.detach().cpu().contiguous()
              for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
@@ -117,7 +118,8 @@ def strip_wrapper_prefixes(state: dict) -> dict:
 
 # What scripts/evaluate.py needs of a run's config.json besides the weights (model.safetensors'
 # metadata)
-EVALUATION = ("classes", "image_size", "normalization", "mixed_precision", "eval_split")
+EVALUATION = ("classes", "image_size", "normalization", "interpolation", "mixed_precision",
+              "eval_split")
 
 
 def save_final_weights(accelerator, model, output_dir: Path, config: dict, step: int) -> Path:

@@ -1,15 +1,17 @@
 """Evaluate saved weights on the test split: overall and per-class accuracy.
 
 A model.safetensors of our training scripts carries what evaluation needs besides the test images:
-the model name, the class names, the normalisation of the training run and the input size. So the
-weights and the data source are all it takes to reproduce the accuracy the run logged:
+the model name, the class names, the normalisation of the training run, the input size and the
+interpolation it resized with. So the weights and the data source are all it takes to reproduce the
+accuracy the run logged:
 
     python scripts/evaluate.py --weights runs/train_single-20260101-120000/model.safetensors
     python scripts/evaluate.py --weights runs/.../model.safetensors --data-dir ~/data/cifar10
 
 It also reads state dicts saved by other scripts with torch.save, including the ``module.`` prefix
 that a DataParallel/DDP-wrapped model leaves on every key. They carry none of that, so name the
-model; the normalisation is then computed from the training split of the data:
+model; the normalisation is then computed from the training split of the data, and images are
+resized bilinear:
 
     python scripts/evaluate.py --weights ddp_checkpoint.pt --model resnet18 \
         --data-dir ~/data/cifar10
@@ -20,6 +22,7 @@ import dataclasses
 from accelerate import Accelerator
 
 from common.cli import Parser, check_model_name
+from common.data.images import INTERPOLATIONS
 from common.data_flags import add_data_args, check_data_args, data_options
 from common.errors import UserError
 from common.evaluation import evaluate
@@ -66,10 +69,17 @@ def main(args):
     if image_size and args.image_size and args.image_size != image_size[0]:
         raise UserError(f"--weights {args.weights} were trained on {image_size[0]}px images, not "
                         f"--image-size {args.image_size}: drop --image-size")
-    # The training run's resolution, evaluation split, normalisation and memory format; for weights
-    # from elsewhere the flags', the statistics of the training images and NCHW.
+    # The training run's resolution, interpolation, evaluation split, normalisation and memory
+    # format; for weights from elsewhere (and runs that did not record the interpolation, which all
+    # resized bilinear) the flags', bilinear, the statistics of the training images and NCHW.
     channels_last = stored.get("channels_last", False)
-    options = dataclasses.replace(data_options(args), channels_last=channels_last)
+    interpolation = stored.get("interpolation", "bilinear")
+    if interpolation not in INTERPOLATIONS:
+        raise UserError(f"--weights {args.weights}: its metadata says interpolation "
+                        f"{interpolation!r}, which evaluation does not have; use a "
+                        f"model.safetensors written by the training scripts")
+    options = dataclasses.replace(data_options(args), channels_last=channels_last,
+                                  interpolation=interpolation)
     data = load_test_inputs(options, accelerator,
                             image_size[0] if image_size else args.image_size, args.eval_batch_size,
                             stored.get("eval_split"), stored.get("normalization"))
@@ -95,7 +105,7 @@ def main(args):
 
     accelerator.print(f"test_acc={result.accuracy:.4f} ({result.correct}/{result.total}) "
                       f"model={model_name} precision={accelerator.mixed_precision} "
-                      f"data={data.source}")
+                      f"interpolation={interpolation} data={data.source}")
     width = max(len(name) for name in data.classes)
     for name, correct, total in zip(data.classes, result.class_correct, result.class_total):
         accuracy = correct / total if total else float("nan")

@@ -1,7 +1,8 @@
 """common/data/ (sources, formats, decode, cache, synthetic): every source format decodes to the
 same tensors, caches are reused and invalidated, synthetic data is deterministic, an image of
 another size is resized, and bad input ends in one line naming the culprit (or, with skip_bad, is
-left out with a warning naming it).
+left out with a warning naming it). Every resize takes the interpolation it is given, bicubic as
+torchvision's on both loaders, and the decode cache is keyed by it.
 
 The fixtures write one small dataset (3 named classes, 24 train / 12 test random 32x32 images)
 in every format the loader reads, the way the real tools write them.
@@ -9,6 +10,8 @@ in every format the loader reads, the way the real tools write them.
 
 import io
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -22,12 +25,17 @@ import pyarrow.parquet
 import pytest
 import torch
 from helpers import tmpfs
+from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
 from common.data import decode, hub, options
-from common.data.cache import load_image_data
-from common.data.splits import ImageData
+from common.data.cache import cache_name, cached_hub_data, load_image_data
+from common.data.crops import resized_crop_box, sample_seed
+from common.data.images import INTERPOLATIONS, fit
+from common.data.splits import ImageData, TensorSplit
 from common.data.synthetic import make_synthetic
+from common.data.transform import BatchTransform, resized_crop_boxes
+from common.data.workers import SampleImages
 from common.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -457,3 +465,75 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line(formats, tmp_path, monke
     assert message.endswith("); pass --cache-dir DIR or set CIFAR_CACHE_DIR to a folder you can write in")
     assert error_of(data_dir=str(formats["image_folder"]), cache_dir=str(tmp_path / "file")).startswith(
         f"--cache-dir {tmp_path / 'file'} cannot be written in (")
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpolation: pretrained weights' bilinear or bicubic, in every resize of both loaders
+
+def test_the_device_path_s_bicubic_crops_are_torchvisions_bicubic_resized_crop_of_the_same_box():
+    """BatchTransform's random-resized crop with bicubic is, for each image, torchvision's
+    antialiased bicubic resized_crop (what the workers path calls) of the box the batch's generator
+    drew, flipped when it drew a flip, in float. The tolerance is float32 rounding: the same
+    weights summed in another order, measured at 3e-4 of 255 (grid_sample's bicubic is up to 46
+    off); bilinear, of the same boxes, differs by far more."""
+    batch = torch.randint(0, 256, (24, 3, 96, 96), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(1))
+    out = BatchTransform([0, 0, 0], [1, 1, 1], interpolation="bicubic").train(batch, seed=(3, 7))
+    bilinear = BatchTransform([0, 0, 0], [1, 1, 1]).train(batch, seed=(3, 7))
+    generator = torch.Generator().manual_seed(sample_seed(3, 7))  # as BatchTransform.train draws
+    boxes = torch.stack(resized_crop_boxes(len(batch), 96, 96, generator), dim=1).int().tolist()
+    flipped = (torch.rand(len(batch), generator=generator) < 0.5).tolist()
+    for image, result, box, flip in zip(batch, out, boxes, flipped):
+        expected = v2.functional.resized_crop(image.float(), *box, [96, 96],
+                                              v2.InterpolationMode.BICUBIC, antialias=True)
+        expected = v2.functional.horizontal_flip(expected) if flip else expected
+        assert (result - expected).abs().max() < 0.01  # of 255
+    assert 0 < sum(flipped) < len(batch) and sum(h < 96 for _, _, h, _ in boxes) > 20
+    assert (out - bilinear).abs().max() > 20
+
+
+def test_fit_and_the_workers_crops_resize_with_the_interpolation_they_are_given():
+    """The samples the workers loader reads: the evaluation view (fit, which the decode cache uses
+    too) and the training crop are torchvision's antialiased resize with the interpolation given,
+    and bicubic is not bilinear."""
+    image = torch.randint(0, 256, (3, 90, 120), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(2))
+    split = TensorSplit(image[None], torch.tensor([0]), "one image")
+    views = {}
+    for interpolation, mode in INTERPOLATIONS.items():
+        evaluated, _ = SampleImages(split, 40, train=False, interpolation=interpolation)[0]
+        resized = v2.functional.resize(image, 40, mode, antialias=True)
+        assert torch.equal(evaluated, v2.functional.center_crop(resized, [40, 40]))
+        assert torch.equal(fit(image, 40, interpolation), evaluated)
+        trained, _ = SampleImages(split, 72, train=True, seed=3, interpolation=interpolation)[1, 0]
+        rng = random.Random(sample_seed(3, 1, 0))  # the draws of sample 0 in epoch 1
+        box = resized_crop_box(90, 120, rng)
+        expected = v2.functional.resized_crop(image, *box, [72, 72], mode, antialias=True)
+        flip = rng.random() < 0.5
+        assert torch.equal(trained, v2.functional.horizontal_flip(expected) if flip else expected)
+        views[interpolation] = evaluated.int(), trained.int()
+    for bicubic, bilinear in zip(views["bicubic"], views["bilinear"]):
+        assert (bicubic - bilinear).abs().max() > 20
+
+
+def test_the_decode_cache_is_keyed_by_the_interpolation_and_bilinear_keeps_its_name(
+        formats, source, tmp_path):
+    """A cache built bilinear is never read for bicubic (nor the other way), and bilinear's file
+    names are those every earlier run wrote, so their caches stay valid."""
+    assert cache_name("hub-uoft-cs--cifar10", None, "bilinear", False) == "hub-uoft-cs--cifar10.pt"
+    assert cache_name("dir-0123", 24, "bilinear", True) == "dir-0123-24px-skip.pt"
+    assert cache_name("dir-0123", 24, "bicubic", True) == "dir-0123-24px-bicubic-skip.pt"
+    cache, folder = tmp_path / "cache", str(formats["parquet"])  # in the order of the source
+    for interpolation in ("bilinear", "bicubic", "bilinear", "bicubic"):  # built, then read
+        data = load_image_data(data_dir=folder, cache_dir=str(cache), image_size=24,
+                               interpolation=interpolation)
+        assert torch.equal(data.test_images, torch.stack(  # the source's, as fit resizes them
+            [fit(image, 24, interpolation) for image in source.test_images]))
+    bicubic, bilinear = sorted(p.name for p in cache.glob("*.pt"))
+    assert re.fullmatch(r"dir-[0-9a-f]{16}-24px\.pt", bilinear)
+    assert bicubic == bilinear.replace("-24px.pt", "-24px-bicubic.pt")
+    assert not torch.equal(fit(source.test_images[0], 24), fit(source.test_images[0], 24, "bicubic"))
+    # A Hub dataset decoded at its own size: the file found for bilinear only
+    torch.save(vars(source), cache / "hub-uoft-cs--cifar10.pt")
+    assert cached_hub_data("cifar10", str(cache)) is not None
+    assert cached_hub_data("cifar10", str(cache), interpolation="bicubic") is None

@@ -6,8 +6,9 @@ file, put where the libraries keep their caches when a test needs that, and ever
 offline Hub (HF_HUB_OFFLINE=1) and its own empty HF_HOME and TORCH_HOME. The data is a 3-class
 image folder made here. What is checked is what a user relies on: every tensor but the head is the
 file's, the head has the folder's classes, the inputs are normalised with the weights' statistics
-(not the folder's), a frozen backbone and its BatchNorm statistics do not move, the parameter
-groups, and one line for each way the weights can be missing or wrong.
+(not the folder's) and resized with their interpolation (timm's bicubic) on both loaders, recorded
+for evaluate.py and a later --pretrained-path, a frozen backbone and its BatchNorm statistics do
+not move, the parameter groups, and one line for each way the weights can be missing or wrong.
 """
 
 import json
@@ -20,15 +21,21 @@ import pytest
 import timm
 import torch
 import torchvision
+from accelerate import Accelerator
 from helpers import ROOT, image_folder, run, weights
 from probe_counts import per_class, predictions, printed_per_class
 from safetensors.torch import load_file, save_file
 from torchvision.io import decode_image
 
+from common.cli import build_parser
+from common.data.images import fit
 from common.data.stats import channel_stats
+from common.data_flags import data_options
 from common.errors import UserError
+from common.inputs import load_inputs, load_test_inputs
 from common.models import build_model
-from common.pretrained import find_weights, fine_tune
+from common.pretrained import Weights, find_weights, fine_tune
+from common.weights import read_metadata
 
 CLASSES = 3
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -92,6 +99,7 @@ def test_a_frozen_backbone_and_its_batchnorm_statistics_do_not_move_under_ddp(pl
     assert "head fc swapped: 1000 classes -> 3 classes, newly initialised" in done.stdout
     assert "--freeze backbone: 11,176,512 parameters frozen, 1,539 trained (the head fc)" in done.stdout
     assert "the weights were trained on 224 px images and --image-size 32 differs" in done.stdout
+    assert "32px (bicubic), loader device" in done.stdout  # timm's ResNet-18 was trained so
     untouched_network(place)
 
 
@@ -107,8 +115,12 @@ def test_inputs_are_normalised_as_the_weights_expect_and_evaluate_needs_nothing_
     tuned = config["fine_tune"]
     assert tuned["source"] == "--pretrained-path" and tuned["input_size"] == 224
     assert tuned["interpolation"] == "bicubic" and config["image_size"] == [32, 32]
+    # what the weights say (fine_tune), what the run resized with, and what evaluate.py reads
+    assert config["interpolation"] == "bicubic"
+    assert read_metadata(out / "model.safetensors")["interpolation"] == "bicubic"
     # evaluate.py reads the weights' normalisation from model.safetensors: the count made here agrees
     done = run("evaluate.py", "--weights", out / "model.safetensors", "--data-dir", place[1], cwd=place[0])
+    assert " interpolation=bicubic " in done.stdout  # with nothing on its command line
     test = sorted((place[1] / "val").rglob("*.jpg"))
     images = torch.stack([decode_image(str(p)) for p in test])
     labels = torch.tensor([int(p.parent.name.removeprefix("class")) for p in test])
@@ -182,6 +194,62 @@ def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, t
            f"ones" in done.stdout
     ours, theirs = weights(out), weights(tuned[0])
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+# ------------------------------------------------------------------- the weights' interpolation
+
+def test_both_loaders_resize_with_the_weights_interpolation(place, tmp_path):
+    """timm's ResNet-18 says bicubic: data_options threads it to the decode cache, the evaluation
+    view of either loader (the test images are fit bicubic, not bilinear), the device path's crops,
+    the workers' dataset, evaluate.py's loader, config.json and the start line. Images of 40x48,
+    so that 32 px is a resize."""
+    weights = find_weights("timm:resnet18", False, str(place[2]))  # no metadata: timm's config
+    assert weights.interpolation == weights.resize_interpolation == "bicubic"
+    folder = image_folder(tmp_path / "data", train=6, val=3, classes=CLASSES, sizes=((40, 48),))
+    test = [decode_image(str(p)) for p in sorted((folder / "val").rglob("*.jpg"))]
+    expected = torch.stack([fit(image, 32, "bicubic") for image in test])
+    assert (expected.int() - torch.stack([fit(image, 32) for image in test]).int()).abs().max() > 2
+    accelerator = Accelerator(cpu=True)
+    for loader in ("device", "workers"):
+        args = build_parser("test").parse_args(
+            [*FLAGS, "--data-dir", str(folder), "--batch-size", "3", "--loader", loader,
+             "--cache-dir", str(tmp_path / "cache"), "--pretrained-path", str(place[2])])
+        options = data_options(args, weights)
+        data = load_inputs(options, accelerator)
+        assert data.config["interpolation"] == "bicubic" and "32px (bicubic)" in data.line
+        evaluated = load_test_inputs(options, accelerator, 32, 3, None, weights.normalization)
+        for loaded in (data, evaluated):
+            assert torch.equal(torch.cat([images for images, _ in loaded.test_loader]), expected)
+        if loader == "workers":
+            assert data.train_loader.dataset.interpolation == "bicubic"
+        else:
+            assert data.transform.interpolation == "bicubic"
+    assert [p.name for p in (tmp_path / "cache").glob("*.pt")][0].endswith("-32px-bicubic.pt")
+
+
+def test_a_run_s_interpolation_is_carried_forward_by_pretrained_path(frozen, tmp_path):
+    """The frozen run's model.safetensors says bicubic, and so do weights found from it for a model
+    whose library says bilinear (torchvision's); a file of a run that did not record it resized
+    bilinear, whatever the model's library says."""
+    out, _ = frozen
+    found = find_weights("torchvision:resnet18", False, str(out / "model.safetensors"))
+    assert found.interpolation == "bicubic" and found.input_size == 32
+    metadata = {key: json.dumps(value) for key, value in read_metadata(out / "model.safetensors").items()
+                if key in ("normalization", "image_size")}
+    save_file({"x": torch.zeros(1)}, tmp_path / "older.safetensors", metadata=metadata)
+    assert find_weights("timm:resnet18", False, str(tmp_path / "older.safetensors")).interpolation == "bilinear"
+
+
+@pytest.mark.parametrize("said", ["nearest", "random"])  # "random": some of timm's configs
+def test_an_interpolation_the_data_path_lacks_resizes_bilinear_with_a_warning(place, tmp_path, said):
+    model = build_model("resnet20", CLASSES)
+    save_file(model.state_dict(), tmp_path / "w.safetensors")
+    found = Weights(tmp_path / "w.safetensors", "--pretrained-path", interpolation=said)
+    args = build_parser("test").parse_args([*FLAGS, "--data-dir", str(place[1])])
+    assert found.resize_interpolation == data_options(args, found).interpolation == "bilinear"
+    loaded = fine_tune(model, found, "resnet20", CLASSES, 32, "none")["fine_tune"]["loaded"]
+    assert loaded.endswith(f"; warning: the weights were trained on images resized with '{said}' "
+                           f"interpolation, which this data path does not do: it resizes bilinear")
 
 
 # ---------------------------------------------------------------- the libraries' caches, offline

@@ -3,7 +3,7 @@
     options     DataOptions: the values of the data flags, all that the input path is told;
                 the cache folder (--cache-dir or its default), made when needed
     splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
-    images      one image decoded to uint8 RGB and fitted to N x N
+    images      one image decoded to uint8 RGB and fitted to N x N; the interpolations resizes take
     arrow       `datasets` tables as splits, and a DatasetDict's train and evaluation split
     hub         the Hugging Face Hub: download, or its datasets cache when offline
     cifar       torchvision's CIFAR pickles, a folder or its .tar.gz
@@ -12,7 +12,8 @@
     carve       an evaluation split carved from train (--val-fraction)
     sources     a dataset by name or folder, opened, checked and carved: open_source
     decode      every image of a source decoded once, at one size
-    cache       the decoded data cached on disk, one file per source and size: load_image_data
+    cache       the decoded data cached on disk, one file per source, size and interpolation:
+                load_image_data
     crops       the augmentation both loaders draw: the crop for a size, its box, per-sample seeds
     stats       per-channel normalisation statistics of the training images
     transform   a uint8 batch to normalised float on the device, with batched crop, flip and

@@ -1,12 +1,13 @@
-"""The decoded data cached on disk: one file per source and size, built once, under a lock.
+"""The decoded data cached on disk: a file per source, size and interpolation, built under a lock.
 
     data = load_image_data("cifar10")                      # decoded, uint8 (N, 3, 32, 32)
     data = load_image_data(data_dir="~/data/cifar10")      # a local copy, decoded the same way
 
 A second run starts in about a second, and a cached Hub dataset loads with no network access at
 all. A file's name is its key: the Hub repository, or a digest of a local copy's file names,
-sizes and times; then the size and whether unreadable images were skipped. Synthetic data is
-made again each time, never cached.
+sizes and times; then the size, the interpolation unless it is bilinear (the names of the files
+every earlier run wrote, all bilinear, stay theirs) and whether unreadable images were skipped.
+Synthetic data is made again each time, never cached.
 """
 
 import dataclasses
@@ -37,16 +38,17 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
                     cache_dir: str | None = None, synthetic_train_size: int = 5000,
                     synthetic_test_size: int = 1000, synthetic_classes: int = 10, seed: int = 0,
                     image_size: int | None = None, val_fraction: float | None = None,
-                    skip_bad: bool = False) -> ImageData:
-    """``open_source``'s dataset decoded: every image at ``image_size`` (shorter side resized,
-    centre square cropped) or, with None, at the size all images share. Cached, except synthetic
-    data."""
+                    skip_bad: bool = False, interpolation: str = "bilinear") -> ImageData:
+    """``open_source``'s dataset decoded: every image at ``image_size`` (shorter side resized with
+    ``interpolation``, centre square cropped) or, with None, at the size all images share. Cached,
+    except synthetic data."""
     if dataset == "synthetic" and data_dir is None:
         check_dataset_name(dataset)
         data = make_synthetic(synthetic_train_size, synthetic_test_size, synthetic_classes, seed)
         if image_size not in (None, data.train_images.shape[-1]):
-            data = dataclasses.replace(data, train_images=fit_all(data.train_images, image_size),
-                                       test_images=fit_all(data.test_images, image_size))
+            data = dataclasses.replace(
+                data, train_images=fit_all(data.train_images, image_size, interpolation),
+                test_images=fit_all(data.test_images, image_size, interpolation))
         return carve_decoded(data, val_fraction, seed)
     folder = cache_folder(cache_dir)
     if data_dir is not None:
@@ -55,12 +57,13 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
     else:
         check_dataset_name(dataset)
         key = _hub_key(dataset)
-    name = f"{key}{f'-{image_size}px' if image_size else ''}{'-skip' if skip_bad else ''}.pt"
+    name = cache_name(key, image_size, interpolation, skip_bad)
 
     def build():
         source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
                                 synthetic_test_size, synthetic_classes, seed)
-        return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad)
+        return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad,
+                             interpolation)
     data = _cached(folder / name, build)
     if not val_fraction and not len(data.test_labels):  # cached by a run that carved its split
         where = data.source.split(" (cached at ")[0]
@@ -68,12 +71,12 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
     return carve_decoded(data, val_fraction, seed)
 
 
-def cached_hub_data(dataset: str, cache_dir: str | None,
-                    skip_bad: bool = False) -> ImageData | None:
+def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False,
+                    interpolation: str = "bilinear") -> ImageData | None:
     """The Hub dataset as an earlier run decoded and cached it at its own size, else None: with it
     a run neither asks the Hub nor opens the `datasets` cache."""
     folder = Path(cache_dir or default_cache_dir())
-    path = folder / f"{_hub_key(dataset)}{'-skip' if skip_bad else ''}.pt"
+    path = folder / cache_name(_hub_key(dataset), None, interpolation, skip_bad)
     if not path.is_file():
         return None
     with FileLock(f"{path}.lock"):  # not while a first run is still writing it
@@ -81,6 +84,15 @@ def cached_hub_data(dataset: str, cache_dir: str | None,
             return _saved(path)
         except Exception:  # unreadable: load_image_data says so and rebuilds it
             return None
+
+
+def cache_name(key: str, image_size: int | None, interpolation: str, skip_bad: bool) -> str:
+    """The cache file of the data ``key`` names, decoded at ``image_size`` (None: its own size).
+    Images of mixed sizes are resized at their own size too (decode.DEFAULT_IMAGE_SIZE), so the
+    interpolation is in every name but bilinear's, which keeps the names earlier runs wrote."""
+    size = f"-{image_size}px" if image_size else ""
+    resize = "" if interpolation == "bilinear" else f"-{interpolation}"
+    return f"{key}{size}{resize}{'-skip' if skip_bad else ''}.pt"
 
 
 def _hub_key(dataset: str) -> str:

@@ -38,31 +38,34 @@ def native_size(source: ImageSource, probes: int = 16) -> int | None:
     return None
 
 
-def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = False) -> ImageData:
-    """Every image of both splits decoded, at ``image_size`` or (None) the size they all share."""
+def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = False,
+                  interpolation: str = "bilinear") -> ImageData:
+    """Every image of both splits decoded, at ``image_size`` or (None) the size they all share,
+    resized with ``interpolation`` where they are not at that size."""
     size = image_size or native_size(source)
     if size is None:
         size = DEFAULT_IMAGE_SIZE
         log.warning("the images of %s differ in size: decoding them at %dx%d (set --image-size)",
                     source.source, size, size)
-    train_images, train_labels, left_out = decode_split(source.train, size, skip_bad)
+    train_images, train_labels, left_out = decode_split(source.train, size, skip_bad,
+                                                        interpolation)
     if source.test is None:  # to be carved from train (--val-fraction)
         test_images = torch.empty(0, 3, size, size, dtype=torch.uint8)
         test_labels = torch.empty(0, dtype=torch.int64)
     else:
-        test_images, test_labels, _ = decode_split(source.test, size, skip_bad)
+        test_images, test_labels, _ = decode_split(source.test, size, skip_bad, interpolation)
     skipped = torch.stack([left_out, source.train.labels[left_out]], dim=1)
     return ImageData(train_images, train_labels, test_images, test_labels, classes=source.classes,
                      source=source.source, skipped=skipped)
 
 
-def decode_split(split, size: int,
-                 skip_bad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_split(split, size: int, skip_bad: bool = False, interpolation: str = "bilinear"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One split as uint8 (N, 3, size, size), its labels and the indices of the images left out as
     unreadable (with skip_bad)."""
     none = torch.empty(0, dtype=torch.int64)
     if isinstance(split, TensorSplit):
-        return fit_all(split.images, size), split.labels, none
+        return fit_all(split.images, size, interpolation), split.labels, none
     if isinstance(split, ArrowSplit):
         items = split.all_encoded()
     else:
@@ -71,7 +74,7 @@ def decode_split(split, size: int,
     kept = torch.ones(len(split), dtype=torch.bool)
     for i, encoded in enumerate(items):
         try:
-            batch[i] = fit(decode(encoded, split.name(i)), size)
+            batch[i] = fit(decode(encoded, split.name(i)), size, interpolation)
         except BadImage as e:
             if not skip_bad:
                 raise UserError(f"{e}; replace or remove the file, or pass --bad-images skip to "
@@ -83,9 +86,11 @@ def decode_split(split, size: int,
     return batch[kept].contiguous(), split.labels[kept], (~kept).nonzero().flatten()
 
 
-def fit_all(images: torch.Tensor, size: int, chunk: int = 1024) -> torch.Tensor:
+def fit_all(images: torch.Tensor, size: int, interpolation: str = "bilinear",
+            chunk: int = 1024) -> torch.Tensor:
     """A tensor of images, each ``fit`` to size x size, ``chunk`` images at a time."""
     if images.shape[-2:] == (size, size):
         return images
-    return torch.cat([torch.stack([fit(image, size) for image in images[start:start + chunk]])
+    return torch.cat([torch.stack([fit(image, size, interpolation)
+                                   for image in images[start:start + chunk]])
                       for start in range(0, len(images), chunk)])

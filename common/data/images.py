@@ -3,6 +3,9 @@
 torchvision.io.decode_image (libjpeg-turbo, libpng, libwebp) first; PIL only for what it cannot
 read, e.g. CMYK or 16-bit files some versions refuse. Both input paths decode through here: the
 device path every image once (common.data.decode), the workers path a sample at a time.
+
+Every resize of either path is antialiased and bilinear, or bicubic where pretrained weights were
+trained so (INTERPOLATIONS; common.pretrained picks it).
 """
 
 import io
@@ -15,6 +18,11 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from common.errors import first_line
+
+# The interpolations the input paths resize with: bilinear, unless pretrained weights say bicubic
+# (timm's ResNets). Antialiased, torchvision's bicubic is PIL's (Keys' a = -0.5), as timm trained.
+INTERPOLATIONS = {"bilinear": v2.InterpolationMode.BILINEAR,
+                  "bicubic": v2.InterpolationMode.BICUBIC}
 
 
 class BadImage(Exception):
@@ -54,10 +62,11 @@ def decode(encoded, name: str) -> torch.Tensor:
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
 
 
-def fit(image: torch.Tensor, size: int) -> torch.Tensor:
-    """Resize the shorter side to ``size`` and crop the centre square: the evaluation view. An image
-    that is already size x size is returned as it is."""
+def fit(image: torch.Tensor, size: int, interpolation: str = "bilinear") -> torch.Tensor:
+    """Resize the shorter side to ``size`` with ``interpolation`` (of INTERPOLATIONS) and crop the
+    centre square: the evaluation view. An image that is already size x size is returned as it
+    is."""
     if image.shape[-2:] == (size, size):
         return image
-    image = v2.functional.resize(image, size, antialias=True)
+    image = v2.functional.resize(image, size, INTERPOLATIONS[interpolation], antialias=True)
     return v2.functional.center_crop(image, [size, size])

@@ -30,6 +30,8 @@ class DataOptions:
     synthetic_test_size: int
     # Pretrained weights' {"mean": [...], "std": [...]}; None: the training images' own statistics
     normalization: dict | None = None
+    # Of every resize, common.data.images.INTERPOLATIONS: bilinear, or pretrained weights' bicubic
+    interpolation: str = "bilinear"
     # Training only: scripts/evaluate.py, which builds no training loader, keeps these defaults.
     seed: int = 0  # shuffling, augmentation and the --val-fraction draw
     batch_size: int | None = None  # global: images per optimizer step over all processes

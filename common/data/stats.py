@@ -42,10 +42,11 @@ def channel_stats(images, chunk_bytes: int = 2**27):
     return mean.float().tolist(), std.float().tolist()
 
 
-def sample_stats(split, size: int, sample: int = STATS_SAMPLE) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std (0..255 scale) of the training images as evaluated at ``size``:
-    from all of them when they are held decoded, else from ``sample`` spread over the split; one
-    image in memory at a time."""
+def sample_stats(split, size: int, sample: int = STATS_SAMPLE,
+                 interpolation: str = "bilinear") -> tuple[list[float], list[float]]:
+    """Per-channel mean and std (0..255 scale) of the training images as evaluated at ``size``
+    (resized with ``interpolation``): from all of them when they are held decoded, else from
+    ``sample`` spread over the split; one image in memory at a time."""
     if isinstance(split, TensorSplit) or len(split) <= sample:
         picks = range(len(split))
     else:
@@ -54,7 +55,7 @@ def sample_stats(split, size: int, sample: int = STATS_SAMPLE) -> tuple[list[flo
     def fitted():
         for i in picks:
             try:
-                yield fit(decode(split.encoded(i), split.name(i)), size)
+                yield fit(decode(split.encoded(i), split.name(i)), size, interpolation)
             except BadImage:
                 continue  # the loader reports it, or skips it (--bad-images)
     try:

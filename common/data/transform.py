@@ -27,19 +27,22 @@ class BatchTransform:
 
     The crop is crop_mode's for the batch's image size: up to 64 px zero padding by 4 and a random
     crop (CIFAR), above a random-resized crop as torchvision's RandomResizedCrop draws it, of the
-    image as held (already resized to the training size), scaled back up to that size.
+    image as held (already resized to the training size), scaled back up to that size with
+    ``interpolation``: bilinear, or bicubic where pretrained weights were trained so.
 
     ``mean`` and ``std`` are per-channel statistics of the training images in the 0..255 scale
     (see common.data.stats.channel_stats), so any dataset gets its own normalisation.
     """
 
     def __init__(self, mean, std, augment: bool = True, padding: int = PADDING,
-                 channels_last: bool = False, erase: float = 0.0):
+                 channels_last: bool = False, erase: float = 0.0,
+                 interpolation: str = "bilinear"):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.augment = augment
         self.erase = erase  # --random-erase: the probability of erasing a rectangle of an image
         self.padding = padding
+        self.interpolation = interpolation  # of the random-resized crop's enlargement
         # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
@@ -102,12 +105,15 @@ class BatchTransform:
     def resized_crop_and_flip(self, images: torch.Tensor,
                               generator: torch.Generator) -> torch.Tensor:
         """A random-resized crop of each image, flipped half the time, back at the images' size:
-        float (B, C, H, W). One grid_sample for the batch, bilinear as torchvision's resize (a crop
-        is never larger than the image, so it is only ever enlarged and needs no antialiasing), with
-        the values of torchvision's resized_crop of the same box in float."""
+        float (B, C, H, W), with the values of torchvision's resized_crop of the same box in float.
+        Bilinear: one grid_sample for the batch, as torchvision's resize (a crop is never larger
+        than the image, so it is only ever enlarged and needs no antialiasing); bicubic:
+        bicubic_crops."""
         b, _, h, w = images.shape
         top, left, height, width = resized_crop_boxes(b, h, w, generator)
         flipped = torch.rand(b, device=images.device, generator=generator) < 0.5
+        if self.interpolation == "bicubic":
+            return bicubic_crops(images, top, left, height, width, flipped)
         # Output pixel centre j of W maps to source pixel centre left + (j + 0.5) * width / W - 0.5,
         # as torch's bilinear resize with align_corners=False (and the same for rows); in
         # grid_sample's [-1, 1] coordinates, x = (2 * position + 1) / W - 1. Built element-wise, not
@@ -128,6 +134,66 @@ class BatchTransform:
                            dim=-1)
         return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear",
                                                padding_mode="border", align_corners=False)
+
+
+def bicubic_crops(images: torch.Tensor, top, left, height, width, flipped) -> torch.Tensor:
+    """The box (top, left, height, width: float (B,)) of each image enlarged back to the images'
+    size, mirrored where ``flipped``: float (B, C, H, W) with the values of torchvision's
+    resized_crop(image.float(), box, size, BICUBIC, antialias=True), which the workers path does.
+
+    Not grid_sample's bicubic: its kernel is Keys' a = -0.75, that of torch's resize without
+    antialiasing, where torchvision's antialiased resize has PIL's -0.5 (timm trained with PIL);
+    and its taps near a crop's edge read the pixels beyond it, where a resize of the crop repeats
+    the edge: on uniform noise at 96 px, up to 25 of 255 off inside the crop, 46 at its edges. So
+    the antialiased resize's own weights (aten's UpSampleKernel.cpp, _compute_weights_aa; only
+    enlarging, 4 taps), applied as it does, rows then columns: element-wise, in float32 (a matmul
+    would round the pixels to TF32 under --tf32)."""
+    h, w = images.shape[-2:]
+    images = _resample(images.float(), 2, *_bicubic_taps(top, height, h))
+    return _resample(images, 3, *_bicubic_taps(left, width, w, flipped))
+
+
+def _bicubic_taps(start, length, side: int, mirrored=None):
+    """For each of ``side`` output pixels of a crop from ``start``, ``length`` long (float (B,)),
+    the 4 image pixels it reads (int64 (B, side, 4)) and their weights (float (B, side, 4))."""
+    device = start.device
+    j = torch.arange(side, device=device, dtype=torch.float32) + 0.5
+    centre = j * (length / side).view(-1, 1)  # in the crop's pixels
+    # The kernel spans 2 pixels either side of the centre: taps beyond the crop are dropped (their
+    # weight 0, their index the crop's edge) and the others' weights renormalised.
+    first = (centre - 1.5).floor().clamp(min=0)
+    end = torch.minimum((centre + 2.5).floor(), length.view(-1, 1))
+    taps = first.unsqueeze(-1) + torch.arange(4, device=device, dtype=torch.float32)
+    weights = _keys_cubic(taps + 0.5 - centre.unsqueeze(-1)) * (taps < end.unsqueeze(-1))
+    weights = weights / weights.sum(-1, keepdim=True)
+    index = (start.view(-1, 1, 1) + torch.minimum(taps, (length - 1).view(-1, 1, 1))).long()
+    if mirrored is not None:  # a mirrored row's pixel j is the unmirrored row's side - 1 - j
+        flip = mirrored.view(-1, 1, 1)
+        index, weights = (torch.where(flip, index.flip(1), index),
+                          torch.where(flip, weights.flip(1), weights))
+    return index, weights
+
+
+def _keys_cubic(x: torch.Tensor, a: float = -0.5) -> torch.Tensor:
+    """Keys' cubic convolution kernel (1981), with PIL's and antialiased torch's a = -0.5."""
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, 0.0))
+
+
+def _resample(images: torch.Tensor, dim: int, index: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """Along ``dim`` (2: rows, 3: columns) of float ``images``, each output pixel the sum of the
+    pixels at ``index`` (B, side, taps) times ``weights``: one gather of the batch per tap."""
+    shape = [len(images), 1, 1, 1]
+    shape[dim] = index.shape[1]
+    out = None
+    for k in range(index.shape[-1]):
+        tap = images.gather(dim, index[..., k].view(shape).expand(images.shape))
+        tap.mul_(weights[..., k].view(shape))
+        out = tap if out is None else out.add_(tap)
+    return out
 
 
 def erase_rectangles(images: torch.Tensor, probability: float,

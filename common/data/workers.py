@@ -2,9 +2,9 @@
 
 Nothing decoded is held: each worker reads a sample (a file, a row of a memory-mapped Arrow
 table, or a row of a tensor), decodes it (common.data.images) and crops it to the training
-resolution with torchvision's transforms.v2. A batch leaves the workers as uint8 (B, 3, N, N) in
-channels_last memory: a quarter of the bytes of float, normalised on the device by
-BatchTransform (common.data.transform) as on the device path.
+resolution with torchvision's transforms.v2, resizing with the run's interpolation. A batch leaves
+the workers as uint8 (B, 3, N, N) in channels_last memory: a quarter of the bytes of float,
+normalised on the device by BatchTransform (common.data.transform) as on the device path.
 
 Augmentation is drawn per sample from (seed, epoch, index), not from the worker's random state, so
 it does not depend on the number of workers, of processes or on where a resumed run restarts.
@@ -23,19 +23,22 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.transforms import v2
 
 from common.data.crops import PADDING, crop_mode, resized_crop_box, sample_seed
-from common.data.images import BadImage, decode, fit
+from common.data.images import INTERPOLATIONS, BadImage, decode, fit
 
 # --auto-augment: torchvision's policies, one operation (or two) drawn per image
 POLICIES = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide}
 
 
 def augment(image: torch.Tensor, size: int, rng: random.Random, policy=None,
-            crop: bool = True) -> torch.Tensor:
+            crop: bool = True, interpolation: str = "bilinear") -> torch.Tensor:
     """A training view (3, size, size) of a uint8 image, every random number drawn from ``rng``: the
     crop of crop_mode(size) and a horizontal flip half the time (``crop``; else the evaluation
-    view), then ``policy`` (RandAugment ...), whose draws from torch's generator are seeded from
-    ``rng`` and leave that generator as it was."""
-    image = crop_and_flip(image, size, rng) if crop else fit(image, size)
+    view), resized with ``interpolation``, then ``policy`` (RandAugment ...), whose draws from
+    torch's generator are seeded from ``rng`` and leave that generator as it was."""
+    if crop:
+        image = crop_and_flip(image, size, rng, interpolation)
+    else:
+        image = fit(image, size, interpolation)
     if policy is None:
         return image
     with torch.random.fork_rng(devices=[]):
@@ -43,14 +46,17 @@ def augment(image: torch.Tensor, size: int, rng: random.Random, policy=None,
         return policy(image)
 
 
-def crop_and_flip(image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
+def crop_and_flip(image: torch.Tensor, size: int, rng: random.Random,
+                  interpolation: str = "bilinear") -> torch.Tensor:
     if crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
-        image = v2.functional.pad(fit(image, size), [PADDING])  # zeros, as torchvision's RandomCrop
+        # zeros, as torchvision's RandomCrop
+        image = v2.functional.pad(fit(image, size, interpolation), [PADDING])
         top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
         image = v2.functional.crop(image, top, left, size, size)
     else:
         box = resized_crop_box(*image.shape[-2:], rng)
-        image = v2.functional.resized_crop(image, *box, [size, size], antialias=True)
+        image = v2.functional.resized_crop(image, *box, [size, size],
+                                           INTERPOLATIONS[interpolation], antialias=True)
     return v2.functional.horizontal_flip(image) if rng.random() < 0.5 else image
 
 
@@ -63,8 +69,10 @@ class SampleImages(Dataset):
     """
 
     def __init__(self, split, size: int, train: bool, augment: bool = True, seed: int = 0,
-                 skip_bad: bool = False, auto_augment: str = "none"):
+                 skip_bad: bool = False, auto_augment: str = "none",
+                 interpolation: str = "bilinear"):
         self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
+        self.interpolation = interpolation
         self.augment = train and augment
         self.policy = POLICIES[auto_augment]() if train and auto_augment != "none" else None
         self.skipped = set()  # images this process (a worker, each its own) has warned of
@@ -77,9 +85,9 @@ class SampleImages(Dataset):
         image, read = self.read(index)  # read != index: a bad image skipped, the next in its place
         if self.augment or self.policy:  # the same view whatever worker or process reads it
             image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)),
-                            self.policy, crop=self.augment)
+                            self.policy, crop=self.augment, interpolation=self.interpolation)
         else:
-            image = fit(image, self.size)
+            image = fit(image, self.size, self.interpolation)
         return image, int(self.split.labels[read])
 
     def read(self, index: int) -> tuple[torch.Tensor, int]:
@@ -174,15 +182,16 @@ def _exiting():
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int,
                   augment: bool = True, seed: int = 0, process: int = 0, pin_memory: bool = False,
-                  skip_bad: bool = False, auto_augment: str = "none") -> DataLoader:
+                  skip_bad: bool = False, auto_augment: str = "none",
+                  interpolation: str = "bilinear") -> DataLoader:
     """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by
-    ``workers`` processes.
+    ``workers`` processes, resized with ``interpolation``.
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
     keep every image in order. Workers stay up between epochs (persistent_workers).
     """
     dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad,
-                           auto_augment=auto_augment)
+                           auto_augment=auto_augment, interpolation=interpolation)
     return DataLoader(dataset, batch_size=batch_size,
                       sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0,
