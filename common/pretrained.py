@@ -30,6 +30,7 @@ the latter, which scripts/evaluate.py and a later --pretrained-path of the file 
 """
 
 import dataclasses
+import json
 import math
 import os
 import socket
