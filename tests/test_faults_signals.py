@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, user_env, weights
+from helpers import BIN, ROOT, execute, user_env, weights
 
 STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "100",
@@ -48,8 +48,8 @@ def wait_for(process, path: Path, timeout=180):
 
 
 def finish(command, tmp_path, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([*command, *map(str, extra)], cwd=ROOT, env=env(tmp_path), capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    """A run no signal is sent to, to its end: a plain `python script.py` one forks from the zygote."""
+    return execute([*command, *map(str, extra)], cwd=ROOT, env=env(tmp_path), timeout=300)
 
 
 def all_finite(path: Path) -> bool:
