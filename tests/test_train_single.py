@@ -167,6 +167,7 @@ def test_weights_carry_what_evaluation_needs(full_run):
     stored = read_metadata(out / "model.safetensors")
     assert stored == {"model": "resnet20", "step": 48, "classes": config["classes"], "image_size": [32, 32],
                       "normalization": config["normalization"], "channels_last": True,
+                      "interpolation": "bilinear",  # no pretrained weights: the data path's own
                       "weights": "live"}  # the last step's, not an --ema-decay average
     # A different training split has other channel statistics; the synthetic test split stays the same
     # (it does not depend on the training size). The stored normalisation alone reproduces the accuracy.
