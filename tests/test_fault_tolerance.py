@@ -22,10 +22,12 @@ import torch
 from helpers import ROOT, execute, user_env, weights
 
 BIN = Path(sys.executable).parent
-# 8 steps an epoch, 24 in all; a checkpoint every 4 steps, so step 12 is the middle of epoch 2.
-FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "100",
-         "--model", "resnet20", "--batch-size", "64", "--epochs", "3", "--checkpoint-every", "4",
-         "--keep-checkpoints", "10", "--report-to", "none"]
+# 8 steps an epoch, 24 in all; a checkpoint every 4 steps, so step 12 is the middle of epoch 2. A
+# batch of 32 (16 per process under DDP) at the lr of 0.05 (--lr 0.1 at half the reference batch):
+# what these tests check does not depend on the batch, and each step costs half of one of 64.
+FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
+         "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "3",
+         "--checkpoint-every", "4", "--keep-checkpoints", "10", "--report-to", "none"]
 # The restart recipe that works: c10d rendezvous, and the launcher told not to share
 # its TCP store with the rendezvous; the default static rendezvous fails to restart.
 RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
@@ -74,16 +76,21 @@ def kill_worker_after(process, checkpoint: Path, local_rank: str, timeout=180, s
     raise AssertionError("no worker to kill")
 
 
-def stopped_at(output: str, out: Path, signal_name: str) -> int:
+def stopped_at(output: str, out: Path, signal_name: str, listed: list[str] | None = None) -> int:
     """The step of the one stop line in ``output``, checked: named ``signal_name``, pointing at its
-    checkpoint, no final weights."""
+    checkpoint, no final weights in ``out`` (``listed``: what it held when the run stopped, for a
+    run that has been resumed since)."""
     lines = STOP_LINE.findall(output)
     assert len(lines) == 1, output[-3000:]  # one line for the job, from the main process
     name, step, checkpoint = lines[0][0], int(lines[0][1]), Path(lines[0][2])
     assert name == signal_name and 4 < step < 12, lines  # the resumed runs go on to step 12
     assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and (checkpoint / "checkpoint.json").is_file()
-    assert not (out / "model.safetensors").exists()
+    assert "model.safetensors" not in (listing(out) if listed is None else listed)
     return step
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 def assert_same(a: Path, b: Path):
@@ -100,11 +107,22 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+def single_env(tmp_path) -> dict:
+    return user_env(CIFAR_CACHE_DIR=str(tmp_path / ".cache"))
+
+
+def run_single(tmp_path, *extra):
+    """train_single.py with FLAGS to its end, no signal sent to it (forked from the zygote)."""
+    done = execute([*SINGLE, *map(str, extra)], cwd=ROOT, env=single_env(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 @pytest.fixture(scope="module")
 def single_reference(tmp_path_factory):
     """An uninterrupted train_single run: the reference for the single-process stops and kills."""
     out = tmp_path_factory.mktemp("single") / "reference"
-    run(SINGLE, tmp_path_factory.getbasetemp(), "--output-dir", out)
+    run_single(tmp_path_factory.getbasetemp(), "--output-dir", out)
     return out
 
 
@@ -148,66 +166,93 @@ def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):
     assert (out / "checkpoints" / "step_00000004").is_dir()  # the work up to the last checkpoint stays
 
 
-def test_ddp_stop_and_resume_by_hand(uninterrupted, tmp_path):
-    out = tmp_path / "run"
-    run(accelerate(), tmp_path, "--output-dir", out, "--max-steps", 13)  # stops inside epoch 2
-    done = run(accelerate(), tmp_path, "--output-dir", out, "--resume")
-    assert "resumed from" in done.stdout and "step 13" in done.stdout
-    assert_same(out, uninterrupted)
-
-
-def test_single_killed_and_resumed_by_hand(single_reference, tmp_path):
-    out = tmp_path / "run"
-    process = subprocess.Popen([*SINGLE, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(process, out / "checkpoints" / "step_00000012")
-    process.kill()
-    process.wait()
-    assert not (out / "model.safetensors").exists()
-    run(SINGLE, tmp_path, "--output-dir", out, "--resume")
-    assert_same(out, single_reference)
-
-
 # ----------------------------------------------------------------------------------- stop signals
-# A stop is checked against the uninterrupted runs' step-12 checkpoints (they keep all of theirs):
-# the resumed run goes on to step 12 only, across the end of epoch 1, to keep these tests short.
+# One run of each script is interrupted twice and finished, and the tests below read it. A stop is
+# checked against the uninterrupted run's step-12 checkpoint (both keep all of theirs), the second
+# interruption and the resume by hand that ends the run against its final weights.
 
 
-def sigterm_after_step_4(command, out, tmp_path):
+def sigterm_after_step_4(command, out, tmp_path, environment):
     """Start ``command`` into ``out``, SIGTERM it once the step-4 checkpoint exists: the process, its
-    output, and the seconds from the signal to its exit."""
-    process = subprocess.Popen([*command, "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+    output, the seconds from the signal to its exit, and what ``out`` then holds."""
+    process = subprocess.Popen([*command, "--output-dir", str(out)], cwd=ROOT, env=environment,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(process, out / "checkpoints" / "step_00000004")
     sent = time.perf_counter()
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0]
-    return process, output, time.perf_counter() - sent
+    return process, output, time.perf_counter() - sent, listing(out)
 
 
-def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_reference, tmp_path):
-    out = tmp_path / "run"
-    process, output, seconds = sigterm_after_step_4(SINGLE, out, tmp_path)
+@pytest.fixture(scope="module")
+def single_interrupted(tmp_path_factory):
+    """train_single.py SIGTERMed once its step-4 checkpoint exists (it saves the step it is at and
+    exits); --resume, SIGKILLed once the step-12 checkpoint exists (mid-epoch 2, nothing saved after
+    it); --resume again, by hand, to the end."""
+    tmp_path = tmp_path_factory.mktemp("single-interrupted")
+    out, log = tmp_path / "run", tmp_path / "resumed.log"
+    stop = sigterm_after_step_4(SINGLE, out, tmp_path, single_env(tmp_path))
+    with open(log, "w") as output:
+        process = subprocess.Popen([*SINGLE, "--output-dir", str(out), "--resume"], cwd=ROOT, env=single_env(tmp_path),
+                                   stdout=output, stderr=subprocess.STDOUT)
+    wait_for(process, out / "checkpoints" / "step_00000012")
+    process.kill()
+    process.wait()
+    killed = listing(out)
+    done = run_single(tmp_path, "--output-dir", out, "--resume")
+    return {"out": out, "stop": stop, "resumed": log.read_text(), "killed": killed, "finished": done}
+
+
+def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_interrupted, single_reference):
+    out = single_interrupted["out"]
+    process, output, seconds, listed = single_interrupted["stop"]
     print(f"\ntrain_single: SIGTERM to exit {seconds:.1f} s")
     assert process.returncode == STOPPED and seconds < 60, output[-3000:]
-    step = stopped_at(output, out, "SIGTERM")
-    done = run(SINGLE, tmp_path, "--output-dir", out, "--resume", "--max-steps", 12)
-    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in done.stdout
+    step = stopped_at(output, out, "SIGTERM", listed)
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in single_interrupted["resumed"]
     assert_same(out / "checkpoints" / "step_00000012", single_reference / "checkpoints" / "step_00000012")
 
 
-def test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit(uninterrupted, tmp_path):
+def test_single_killed_and_resumed_by_hand(single_interrupted, single_reference):
+    out = single_interrupted["out"]
+    assert "model.safetensors" not in single_interrupted["killed"]
+    assert f"resumed from {out / 'checkpoints' / 'step_00000012'}" in single_interrupted["finished"].stdout
+    assert_same(out, single_reference)
+
+
+@pytest.fixture(scope="module")
+def ddp_interrupted(tmp_path_factory):
+    """train_ddp.py on 2 processes, SIGTERM to the launcher once the step-4 checkpoint exists; --resume
+    with --max-steps 13, which stops inside epoch 2; --resume again, by hand, to the end."""
+    tmp_path = tmp_path_factory.mktemp("ddp-interrupted")
+    out = tmp_path / "run"
+    stop = sigterm_after_step_4(accelerate(), out, tmp_path, env(tmp_path))
+    resumed = subprocess.run([*accelerate(), "--output-dir", str(out), "--resume", "--max-steps", "13"], cwd=ROOT,
+                             env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = run(accelerate(), tmp_path, "--output-dir", out, "--resume")
+    return {"out": out, "stop": stop, "resumed": resumed, "finished": done}
+
+
+def test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit(ddp_interrupted, uninterrupted):
     """The launcher passes SIGTERM on to its workers, which stop together; the launcher itself then
     exits 1 (torch raises SignalException), not 75."""
-    out = tmp_path / "run"
-    process, output, seconds = sigterm_after_step_4(accelerate(), out, tmp_path)
+    out = ddp_interrupted["out"]
+    process, output, seconds, listed = ddp_interrupted["stop"]
     print(f"\ntrain_ddp, 2 processes: SIGTERM to the launcher to its exit {seconds:.1f} s")
     assert process.returncode not in (0, STOPPED) and seconds < 60, output[-3000:]
     assert "closing signal SIGTERM" in output  # passed on by the launcher, not sent to the workers by us
-    step = stopped_at(output, out, "SIGTERM")
-    done = run(accelerate(), tmp_path, "--output-dir", out, "--resume", "--max-steps", 12)
-    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in done.stdout
+    step = stopped_at(output, out, "SIGTERM", listed)
+    resumed = ddp_interrupted["resumed"]
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in resumed.stdout
     assert_same(out / "checkpoints" / "step_00000012", uninterrupted / "checkpoints" / "step_00000012")
+
+
+def test_ddp_stop_and_resume_by_hand(ddp_interrupted, uninterrupted):
+    """Stopped by --max-steps 13 inside epoch 2, continued with --resume: the uninterrupted run's weights."""
+    out, done = ddp_interrupted["out"], ddp_interrupted["finished"]
+    assert "resumed from" in done.stdout and "step 13" in done.stdout
+    assert_same(out, uninterrupted)
 
 
 # The launcher of one process killed: SIGKILL passes nothing on, so the training process asks the
