@@ -20,8 +20,10 @@ import torch
 from helpers import BIN, ROOT, execute, user_env, weights
 
 STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
-SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "100",
-         "--model", "resnet20", "--batch-size", "64", "--reference-batch-size", "64", "--epochs", "2",
+# 8 steps an epoch, 16 in all, at the peak lr --lr gives (the batch is the reference batch); a batch
+# of 32: what these tests check does not depend on it, and a step costs half of one of 64.
+SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
+         "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--epochs", "2",
          "--report-to", "none"]
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *SMALL]
 DDP = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
