@@ -28,9 +28,11 @@ from common.errors import UserError
 from common.run_record import unwritten_metrics, write_config, write_metrics
 
 BIN = Path(sys.executable).parent
-DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
-FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "2", "--report-to", "none",
-         "--checkpoint-every", "2", "--keep-checkpoints", "5"]
+DATA = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-test-size", "64"]
+# 4 steps an epoch at the lr of 0.05 (--lr 0.1 at half the reference batch); a batch of 32 (16 per
+# process under DDP): what these tests check does not depend on it, and a step costs half of one of 64.
+FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "2",
+         "--report-to", "none", "--checkpoint-every", "2", "--keep-checkpoints", "5"]
 DDP = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
        "--num_processes", "2")
 
@@ -271,14 +273,14 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume_with_ne
     process.kill()
     process.wait()
     assert not (out / "checkpoints").exists()
-    done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", "--batch-size", "32", cwd=tmp_path)
+    done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", "--batch-size", "16", cwd=tmp_path)
     lock, again = diagnostics(done.stderr)
     assert re.fullmatch(rf"warning: {re.escape(str(out))}/\.lock was left by pid {process.pid} on \S+ \(since "
                         rf"[^)]+\), which ended without releasing it; this job takes the run over", lock), lock
     assert again == f"warning: --resume: {out} has no checkpoint (its run stopped before the first one): starting " \
                     f"it again from step 0"
-    assert json.loads((out / "config.json").read_text())["args"]["batch_size"] == 32
-    assert "done: step 16" in done.stdout  # 256 images at batch 32, 2 epochs
+    assert json.loads((out / "config.json").read_text())["args"]["batch_size"] == 16
+    assert "done: step 16" in done.stdout  # 128 images at batch 16, 2 epochs
 
 
 def test_resume_in_another_precision_or_with_other_flags_is_one_line(copy, tmp_path):
