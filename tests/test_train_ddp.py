@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import set_seed
-from helpers import ROOT, run, weights
+from helpers import ROOT, execute, run, user_env, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
@@ -31,6 +31,9 @@ SMALL = [*SMALL_DATA, "--model", "resnet20", "--batch-size", "64"]
 # keeps an unnormalised ResNet far from the chaotic regime where rounding differences grow.
 AGREE = [*SMALL, "--no-augment", "--lr", "0.001", "--reference-batch-size", "64", "--epochs", "1",
          "--max-steps", "5"]
+# For the runs whose tracking no test reads (wandb's offline start costs seconds): the agreement runs
+# (one wandb run per job), the accumulation's collectives and the AMP run keep it.
+UNTRACKED = ["--report-to", "none"]
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 
 
@@ -40,11 +43,11 @@ def launch(launcher, script, *args, **kwargs):
 
 
 def _run_frozen(launcher, script, out, *extra, env_extra=None):
-    """Run a training script with BatchNorm frozen, under ``launcher``."""
+    """Run a training script with BatchNorm frozen, under ``launcher`` (one process: forked from the
+    zygote)."""
     cmd = [*launcher, FROZEN_BN, str(ROOT / "scripts" / script), *AGREE, *extra, "--output-dir", str(out)]
-    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(Path(out).parent / ".cache"),
-           **(env_extra or {})}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(Path(out).parent / ".cache"), **(env_extra or {}))
+    done = execute(cmd, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -56,7 +59,8 @@ def max_difference(a, b):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    _run_frozen((sys.executable,), "train_single.py", out, "--checkpoint-every", "2", "--keep-checkpoints", "5")
+    _run_frozen((sys.executable,), "train_single.py", out, "--checkpoint-every", "2", "--keep-checkpoints", "5",
+                *UNTRACKED)
     return out
 
 
@@ -120,7 +124,7 @@ def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
     nodes = [subprocess.Popen(
         [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "2",
          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, "--output-dir", str(out)],
+         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, *UNTRACKED, "--output-dir", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
@@ -131,7 +135,7 @@ def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
 def test_a_different_global_batch_does_not_match(one_process, tmp_path):
     """Negative control: the agreement tests can fail."""
     out = tmp_path / "run"
-    _run_frozen(ACCELERATE, "train_ddp.py", out, "--batch-size", "32")
+    _run_frozen(ACCELERATE, "train_ddp.py", out, "--batch-size", "32", *UNTRACKED)
     assert max_difference(weights(out), one_process) > 1e-4
 
 
@@ -147,7 +151,7 @@ def accumulated(tmp_path_factory):
     """One process, --grad-accum 2, a checkpoint every 2 optimizer steps (5 in all)."""
     out = tmp_path_factory.mktemp("accumulated") / "run"
     done = _run_frozen((sys.executable,), "train_single.py", out, "--grad-accum", "2", "--checkpoint-every", "2",
-                       "--keep-checkpoints", "5")
+                       "--keep-checkpoints", "5", *UNTRACKED)
     return out, done
 
 
@@ -203,7 +207,7 @@ def test_accumulation_resumes_bit_for_bit(accumulated, tmp_path):
         shutil.rmtree(out / "checkpoints" / later)
     (out / "model.safetensors").unlink()
     done = _run_frozen((sys.executable,), "train_single.py", out, "--grad-accum", "2", "--checkpoint-every", "2",
-                       "--keep-checkpoints", "5", "--resume")
+                       "--keep-checkpoints", "5", *UNTRACKED, "--resume")
     assert "resumed from" in done.stdout and "step 2" in done.stdout  # in the middle of the epoch
     ours, theirs = weights(out), weights(accumulated[0])
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
