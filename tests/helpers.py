@@ -1,6 +1,7 @@
 """What the tests share: running the scripts as a user does, and reading what they leave."""
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -84,13 +85,23 @@ class Zygote:
         atexit.register(self.process.kill)
 
     @classmethod
-    def run(cls, command, cwd, env, timeout) -> subprocess.CompletedProcess:
+    def take(cls, env: dict) -> "Zygote":
+        """An idle zygote with ``env``'s import-time variables, or a new one."""
         with cls.lock:
             zygote = next((z for z in cls.idle if cls.same_at_import(env, z.env)), None)
             if zygote is not None:
                 cls.idle.remove(zygote)
         if zygote is None or zygote.process.poll() is not None:
             zygote = cls()
+        return zygote
+
+    def give_back(self) -> None:
+        with self.lock:
+            self.idle.append(self)
+
+    @classmethod
+    def run(cls, command, cwd, env, timeout) -> subprocess.CompletedProcess:
+        zygote = cls.take(env)
         in_step = False  # whether the zygote has answered all it was asked, and may serve again
         try:
             done, in_step = zygote.fork(command, cwd, env, timeout), True
@@ -100,18 +111,22 @@ class Zygote:
             raise
         finally:
             if in_step:
-                with cls.lock:
-                    cls.idle.append(zygote)
+                zygote.give_back()
             else:
                 zygote.process.kill()
+
+    def start(self, command, cwd, env, out: Path, err: Path, new_session=False) -> int:
+        """Fork a child to run ``command``, its output to the files ``out`` and ``err``; its pid."""
+        request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
+                   "new_session": new_session}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+        return self.answer(None)["pid"]
 
     def fork(self, command, cwd, env, timeout) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-            request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            self.process.stdin.flush()
-            pid = self.answer(None)["pid"]
+            pid = self.start(command, cwd, env, out, err)
             try:
                 returncode = self.answer(timeout)["returncode"]
             except subprocess.TimeoutExpired:
@@ -141,6 +156,58 @@ class Zygote:
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
+
+
+class Forked:
+    """``python script.py ...`` forked from a zygote and returned at once, for a test that signals the
+    run while it trains: what the tests use of a Popen (pid, poll, wait, send_signal, kill,
+    communicate), the output read back from files once the run has ended. With ``new_session`` the
+    run leads a session and process group of its own, as start_new_session=True makes it, for
+    signals to its group (a terminal's Ctrl-C). The environment's import-time variables must be
+    the zygote's (Zygote.can_run)."""
+
+    def __init__(self, command, cwd, env: dict, new_session=False):
+        self.args = [str(part) for part in command]
+        assert self.args[0] == sys.executable and Zygote.can_run(env), self.args
+        self.returncode = None
+        self._folder = tempfile.TemporaryDirectory()
+        self._out, self._err = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
+        self._zygote = Zygote.take(env)
+        try:
+            self.pid = self._zygote.start(self.args, cwd, env, self._out, self._err, new_session)
+        except BaseException:
+            self._zygote.process.kill()
+            raise
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait(self, timeout=None) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._zygote.answer(timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self._zygote.give_back()
+        return self.returncode
+
+    def send_signal(self, signum) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None) -> tuple[str, str]:
+        """Wait for the end; (stdout, stderr)."""
+        self.wait(timeout)
+        output = read(self._out), read(self._err)
+        self._folder.cleanup()
+        return output
 
 
 def read(path: Path) -> str:

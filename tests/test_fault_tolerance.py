@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, execute, user_env, weights
+from helpers import ROOT, Forked, execute, user_env, weights
 
 BIN = Path(sys.executable).parent
 # 8 steps an epoch, 24 in all; a checkpoint every 4 steps, so step 12 is the middle of epoch 2. A
@@ -172,15 +172,13 @@ def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):
 # interruption and the resume by hand that ends the run against its final weights.
 
 
-def sigterm_after_step_4(command, out, tmp_path, environment):
-    """Start ``command`` into ``out``, SIGTERM it once the step-4 checkpoint exists: the process, its
+def sigterm_after_step_4(process, out):
+    """SIGTERM ``process``, a run into ``out``, once the step-4 checkpoint exists: the process, its
     output, the seconds from the signal to its exit, and what ``out`` then holds."""
-    process = subprocess.Popen([*command, "--output-dir", str(out)], cwd=ROOT, env=environment,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(process, out / "checkpoints" / "step_00000004")
     sent = time.perf_counter()
     process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=120)[0]
+    output = "".join(part or "" for part in process.communicate(timeout=120))
     return process, output, time.perf_counter() - sent, listing(out)
 
 
@@ -190,17 +188,15 @@ def single_interrupted(tmp_path_factory):
     exits); --resume, SIGKILLed once the step-12 checkpoint exists (mid-epoch 2, nothing saved after
     it); --resume again, by hand, to the end."""
     tmp_path = tmp_path_factory.mktemp("single-interrupted")
-    out, log = tmp_path / "run", tmp_path / "resumed.log"
-    stop = sigterm_after_step_4(SINGLE, out, tmp_path, single_env(tmp_path))
-    with open(log, "w") as output:
-        process = subprocess.Popen([*SINGLE, "--output-dir", str(out), "--resume"], cwd=ROOT, env=single_env(tmp_path),
-                                   stdout=output, stderr=subprocess.STDOUT)
+    out = tmp_path / "run"
+    stop = sigterm_after_step_4(Forked([*SINGLE, "--output-dir", out], ROOT, single_env(tmp_path)), out)
+    process = Forked([*SINGLE, "--output-dir", out, "--resume"], ROOT, single_env(tmp_path))
     wait_for(process, out / "checkpoints" / "step_00000012")
     process.kill()
-    process.wait()
+    resumed = "".join(process.communicate(timeout=60))
     killed = listing(out)
     done = run_single(tmp_path, "--output-dir", out, "--resume")
-    return {"out": out, "stop": stop, "resumed": log.read_text(), "killed": killed, "finished": done}
+    return {"out": out, "stop": stop, "resumed": resumed, "killed": killed, "finished": done}
 
 
 def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_interrupted, single_reference):
@@ -226,7 +222,8 @@ def ddp_interrupted(tmp_path_factory):
     with --max-steps 13, which stops inside epoch 2; --resume again, by hand, to the end."""
     tmp_path = tmp_path_factory.mktemp("ddp-interrupted")
     out = tmp_path / "run"
-    stop = sigterm_after_step_4(accelerate(), out, tmp_path, env(tmp_path))
+    stop = sigterm_after_step_4(subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
+                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
     resumed = subprocess.run([*accelerate(), "--output-dir", str(out), "--resume", "--max-steps", "13"], cwd=ROOT,
                              env=env(tmp_path), capture_output=True, text=True, timeout=300)
     done = run(accelerate(), tmp_path, "--output-dir", out, "--resume")

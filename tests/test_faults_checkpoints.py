@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, run, tmpfs, tree_digest, weights
+from helpers import ROOT, Forked, run, tmpfs, tree_digest, user_env, weights
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -265,8 +265,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume_with_ne
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--checkpoint-every", "100",
                "--epochs", "50", "--output-dir", str(out)]
-    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "WANDB_MODE": "offline"})
+    process = Forked(command, tmp_path, user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache")))
     while not (out / "config.json").exists():
         assert process.poll() is None
         time.sleep(0.01)
