@@ -133,7 +133,8 @@ CASES = {
                                     'in "{tmp}/cfg/bad.yaml", line 3'),
     "one-process script launched as several": ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                                                 str(ROOT / "scripts" / "train_single.py")], SMALL, None,
-                                               "train_single.py trains in one process but was launched as 2"),
+                                               ("train_single.py trains in one process but was launched as 2 processes "
+                                                "(WORLD_SIZE=2): use scripts/train_ddp.py")),
 }
 
 
