@@ -115,10 +115,9 @@ class Zygote:
             else:
                 zygote.process.kill()
 
-    def start(self, command, cwd, env, out: Path, err: Path, new_session=False) -> int:
+    def start(self, command, cwd, env, out: Path, err: Path) -> int:
         """Fork a child to run ``command``, its output to the files ``out`` and ``err``; its pid."""
-        request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
-                   "new_session": new_session}
+        request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
         return self.answer(None)["pid"]
@@ -160,13 +159,13 @@ class Zygote:
 
 class Forked:
     """``python script.py ...`` forked from a zygote and returned at once, for a test that signals the
-    run while it trains: what the tests use of a Popen (pid, poll, wait, send_signal, kill,
-    communicate), the output read back from files once the run has ended. With ``new_session`` the
-    run leads a session and process group of its own, as start_new_session=True makes it, for
-    signals to its group (a terminal's Ctrl-C). The environment's import-time variables must be
-    the zygote's (Zygote.can_run)."""
+    run by its pid while it trains: what the tests use of a Popen (pid, poll, wait, send_signal,
+    kill, communicate), the output read back from files once the run has ended. Not for a test that
+    reads what the interpreter's shutdown or the run's orphaned children print (a forked run ends
+    with os._exit after its atexit functions), nor for a signal to a process group. The
+    environment's import-time variables must be the zygote's (Zygote.can_run)."""
 
-    def __init__(self, command, cwd, env: dict, new_session=False):
+    def __init__(self, command, cwd, env: dict):
         self.args = [str(part) for part in command]
         assert self.args[0] == sys.executable and Zygote.can_run(env), self.args
         self.returncode = None
@@ -174,7 +173,7 @@ class Forked:
         self._out, self._err = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
         self._zygote = Zygote.take(env)
         try:
-            self.pid = self._zygote.start(self.args, cwd, env, self._out, self._err, new_session)
+            self.pid = self._zygote.start(self.args, cwd, env, self._out, self._err)
         except BaseException:
             self._zygote.process.kill()
             raise

@@ -17,7 +17,7 @@ What python, torch and accelerate read while starting (PYTHON*, TORCH_LOGS, OMP_
 TMPDIR ...) is the zygote's: helpers.execute starts a run that sets those differently cold, as it
 does runs under a launcher (torchrun, accelerate launch).
 
-Protocol: one JSON request a line on stdin ({argv, env, cwd, stdout, stderr, new_session}); for each, a line
+Protocol: one JSON request a line on stdin ({argv, env, cwd, stdout, stderr}); for each, a line
 {"pid": N} when the child starts and a line {"returncode": N} when it ends, as subprocess reports it.
 """
 
@@ -38,8 +38,6 @@ def run_script(request: dict) -> None:
     """In the forked child: become `python argv[0] argv[1:]` and never return."""
     code = 1
     try:
-        if request.get("new_session"):  # as subprocess's start_new_session: a session and group of its own
-            os.setsid()
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
