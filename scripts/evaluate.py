@@ -18,6 +18,7 @@ resized bilinear:
 """
 
 import dataclasses
+import gc
 
 from accelerate import Accelerator
 
@@ -52,6 +53,7 @@ def parse_args(argv=None):
 
 
 def main(args):
+    gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
     state_dict = load_weights(args.weights)
     if bad := non_finite(state_dict):  # an accuracy of such weights would mean nothing
         raise UserError(f"--weights {args.weights}: the weights are not finite ({bad} NaN or "

@@ -42,6 +42,7 @@ It is one process: `accelerate launch --num_processes 1` works too, more process
 Resume: the same command plus --output-dir runs/train_dp-... --resume.
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class Replica(torch.nn.Module):  # DP: what DataParallel copies to each GPU, run
 def set_up(args) -> Accelerator:
     """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
+    gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
     require_single_process(__file__)
     if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
         raise UserError(f"--compile {args.compile}: not offered with DataParallel: use "
