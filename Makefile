@@ -46,7 +46,10 @@ bench: $(BIN)/.installed
 gpu-check: $(BIN)/.installed
 	@$(BIN)/python scripts/gpu_check.py $(ARGS)
 
+# The suite starts hundreds of Python processes: the project's modules compiled once beforehand
+# (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process).
 test: $(BIN)/.installed
+	$(BIN)/python -m compileall -q common bench scripts > /dev/null
 	$(BIN)/python -m pytest -q
 
 # The lessons as diffs: each strategy script against the script it builds on (docs/diffs/).
