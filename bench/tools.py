@@ -34,6 +34,7 @@ from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.ema import WeightAverage
 from common.models import build_model
+from common.numerics import keep_freed_memory
 from common.optim import build_optimizer
 from common.run_record import versions
 from common.tracking import GB
@@ -229,13 +230,16 @@ class PlainLoop:
     normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
     as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does,
     ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32); cuDNN searches its convolution
-    algorithms (cudnn.benchmark) as in the scripts. ``ema_decay`` adds the scripts' weight average
+    algorithms (cudnn.benchmark) as in the scripts, and a CPU's allocations stay in the process as
+    in the scripts (common.numerics.keep_freed_memory). ``ema_decay`` adds the scripts' weight average
     (common.ema.WeightAverage, one process) after every optimizer step, as --ema-decay does.
     """
 
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
                  channels_last: bool = False, compiled: bool = False, num_batches: int = 4,
                  tf32_math: bool | None = None, ema_decay: float = 0.0):
+        if device.type == "cpu":  # the scripts' allocator setting (set_numerics on a CPU)
+            keep_freed_memory()
         data = make_synthetic(batch_size * num_batches, 10)
         transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
         self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in

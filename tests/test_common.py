@@ -2,9 +2,13 @@
 
 import json
 import os
+import resource
+import subprocess
+import sys
 
 import pytest
 import torch
+from helpers import ROOT
 from torchvision.transforms import v2
 
 from common.checkpoints import latest_checkpoint
@@ -14,7 +18,7 @@ from common.data.stats import channel_stats
 from common.data.transform import BatchTransform, resized_crop_boxes
 from common.errors import UserError
 from common.files import atomic_write
-from common.numerics import choose_mixed_precision
+from common.numerics import choose_mixed_precision, keep_freed_memory
 from common.optim import build_optimizer, build_scheduler
 from common.run_record import check_resume_config
 from common.tracking import log_line
@@ -300,3 +304,31 @@ def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     monkeypatch.setattr(torch, "tensor", lambda values, device=None: torch.as_tensor(values))
     assert peak_memory(OnGPU()) == {"gpu_mem_peak_gb": [1.5, 3.0]}
+
+
+FAULTS = """import resource, sys, torch
+from common.numerics import set_numerics
+if sys.argv[1] == "cpu":
+    set_numerics(torch.device("cpu"), tf32=True, deterministic=False)
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(16 << 20); del x
+before = faults()
+for _ in range(5):  # a training step's activations: the same 64 MB allocated and freed again
+    x = torch.ones(16 << 20); del x
+print(faults() - before)
+"""
+
+
+def test_on_a_cpu_freed_tensor_memory_is_reused_not_faulted_in_again(tmp_path):
+    """Real page faults of a fresh process: by default glibc maps a 64 MB tensor's pages anew at each
+    allocation; after set_numerics on a CPU (common.numerics.keep_freed_memory) it reuses them."""
+    if not keep_freed_memory():
+        pytest.skip("not glibc: malloc's own behaviour")
+    (tmp_path / "faults.py").write_text(FAULTS)
+    faults = {}
+    for device in ("untouched", "cpu"):
+        done = subprocess.run([sys.executable, str(tmp_path / "faults.py"), device], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, check=True)
+        faults[device] = int(done.stdout)
+    assert faults["untouched"] >= 4 * (16 << 20) * 4 // resource.getpagesize(), faults  # at least 4 of 5 mapped anew
+    assert faults["cpu"] * 4 <= faults["untouched"], faults
