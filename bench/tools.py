@@ -238,8 +238,7 @@ class PlainLoop:
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
                  channels_last: bool = False, compiled: bool = False, num_batches: int = 4,
                  tf32_math: bool | None = None, ema_decay: float = 0.0):
-        if device.type == "cpu":  # the scripts' allocator setting (set_numerics on a CPU)
-            keep_freed_memory()
+        keep_freed_memory(device)  # on a CPU, the scripts' allocator setting (set_numerics)
         data = make_synthetic(batch_size * num_batches, 10)
         transform = BatchTransform(*channel_stats(data.train_images), augment=False, channels_last=channels_last)
         self.batches = [(transform.eval(images.to(device)), labels.to(device)) for images, labels in

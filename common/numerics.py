@@ -59,8 +59,7 @@ def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
       CUBLAS_WORKSPACE_CONFIG when it starts.
     - On a CPU, the tensors' memory stays in the process (keep_freed_memory).
     """
-    if device.type == "cpu":
-        keep_freed_memory()
+    keep_freed_memory(device)
     if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
         # the two values deterministic cuBLAS accepts
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -78,9 +77,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_BYTES = 1 << 30
 
 
-def keep_freed_memory() -> bool:
-    """Serve allocations under 1 GB from malloc's heap and keep up to 1 GB of freed memory there,
-    so the next step reuses it: True where set (Linux with glibc).
+def keep_freed_memory(device: torch.device) -> bool:
+    """On a CPU, serve allocations under 1 GB from malloc's heap and keep up to 1 GB of freed memory
+    there, so the next step reuses it: True where set (a CPU, on Linux with glibc).
 
     By default glibc gives every block over a threshold its own pages from the kernel and hands
     them back when freed (the threshold moves with what the process freed before, up to 32 MB),
@@ -92,7 +91,7 @@ def keep_freed_memory() -> bool:
     longer hangs on what the process did before training (docs/benchmarks.md). The benchmark's
     plain loop gets the same. Call it before the large allocations.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL("libc.so.6")
     return all(libc.mallopt(parameter, KEEP_BYTES) == 1

@@ -322,7 +322,7 @@ print(faults() - before)
 def test_on_a_cpu_freed_tensor_memory_is_reused_not_faulted_in_again(tmp_path):
     """Real page faults of a fresh process: by default glibc maps a 64 MB tensor's pages anew at each
     allocation; after set_numerics on a CPU (common.numerics.keep_freed_memory) it reuses them."""
-    if not keep_freed_memory():
+    if not keep_freed_memory(torch.device("cpu")):
         pytest.skip("not glibc: malloc's own behaviour")
     (tmp_path / "faults.py").write_text(FAULTS)
     faults = {}
