@@ -47,10 +47,12 @@ gpu-check: $(BIN)/.installed
 	@$(BIN)/python scripts/gpu_check.py $(ARGS)
 
 # The suite starts hundreds of Python processes: the project's modules compiled once beforehand
-# (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process).
+# (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process). Two
+# pytest-xdist workers, a file each at a time, the tests that launch several processes one at a time
+# (tests/conftest.py): more would not shorten the run, as those take most of it.
 test: $(BIN)/.installed
 	$(BIN)/python -m compileall -q common bench scripts > /dev/null
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # The lessons as diffs: each strategy script against the script it builds on (docs/diffs/).
 diffs: $(BIN)/.installed

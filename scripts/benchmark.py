@@ -41,6 +41,10 @@ side here:
     ema         the cost of --ema-decay: the plain loop with the scripts' weight average updated
                 after every step against the same loop without it, rounds alternated, and one
                 update timed alone; reported as measured
+    finetune    the cost per step of each fine-tuning flag (--finetune-flags): train_single
+                --loader workers on the `single` row's images as PNG files (or --data-dir), with
+                the flag against without it, launches alternated round by round
+                (bench/finetune.py); reported as measured
 
 Launch:
     python scripts/benchmark.py                              # every strategy here and every check
@@ -50,6 +54,8 @@ Launch:
     python scripts/benchmark.py --dataset cifar10 --checks none
                                                              # real CIFAR-10 (Hub, cached) instead
     python scripts/benchmark.py --strategies single --checks loader workers   # the input paths only
+    python scripts/benchmark.py --model resnet20 --strategies single --checks finetune
+                                                             # what each fine-tuning flag costs
     make bench                                               # the CPU benchmark, ~15 min on 2 cores
 Writes benchmark.json (every figure, the protocol, the machine), benchmark.md (the tables) and
 benchmark.png (the chart) to --output-dir; the exit status is 1 if a row failed to run.
@@ -68,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-from bench import loaders, steptimer, tools
+from bench import finetune, loaders, steptimer, tools
 from common.cli import Parser
 from common.data.synthetic import make_synthetic
 from common.data.workers import default_workers
@@ -80,7 +86,8 @@ from common.run_folder import new_run_dir
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
-CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile", "ema")
+CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile", "ema",
+          "finetune")
 EMA_DECAY = 0.999  # the ema check's --ema-decay (the update's cost does not depend on it)
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 # steps left out of every measurement: the first allocates, tunes kernels, fills caches
@@ -190,6 +197,10 @@ def parse_args(argv=None):
                         help="the row the sweep varies (default: %(default)s)")
     parser.add_argument("--checks", nargs="+", default=["all"], choices=("all", "none", *CHECKS),
                         help="ratio checks to run after the rows (default: all)")
+    parser.add_argument("--finetune-flags", nargs="+", default=list(finetune.VARIANTS),
+                        choices=finetune.VARIANTS, metavar="NAME",
+                        help="the finetune check's flags, by name: "
+                             f"{', '.join(finetune.VARIANTS)} (default: all)")
     parser.add_argument("--loader-images", type=int, default=10_000,
                         help="images per epoch in the data check's loader comparison "
                              "(default: %(default)s)")
@@ -251,8 +262,8 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
                 *(["--data-dir", args.data_dir] if args.data_dir else [])]
     model = strategy.model or args.model
     script = [f"scripts/{strategy.script}", "--model", model, "--batch-size", str(global_batch),
-              "--epochs", "1", "--max-steps", str(max_steps), *strategy.flags, *data,
-              "--report-to", "none", "--output-dir", str(output_dir)]
+              "--epochs", "1", "--max-steps", str(max_steps), "--report-to", "none",
+              *strategy.flags, *data, "--output-dir", str(output_dir)]
     times_file = str(workdir / f"{output_dir.name}-steps")
     launcher = strategy.launcher()  # python, or accelerate launch, which runs a module with -m
     timed = [*launcher, "-m", "bench.steptimer", times_file, *script]
@@ -279,6 +290,7 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
             # intervals.
             "data_wait_steady_frac": sum(waits[WARMUP_STEPS:]) / sum(step_seconds),
             "loader": config["loader"], "loader_workers": config["loader_workers"],
+            "args": config["args"],  # the flags as the script parsed them
             "epoch_time_s": metrics[0]["epoch_time_s"],
             "data_wait_frac": metrics[0]["data_wait_frac"], "wall_s": round(run.wall_s, 2),
             "peak_memory_gb": run.peak_memory_gb if gpus else [r["peak_rss_gb"] for r in ranks],
@@ -511,21 +523,25 @@ def input_paths(checks, args, steps, gpus, device, workdir: Path) -> dict:
     return out
 
 
+def small_images(args, steps, workdir: Path) -> tuple[tuple[str, ...], str]:
+    """The data flags of the `single` row's images read from files, and where they are: its
+    synthetic images (launch) as 32 px PNGs written to ``workdir``, or its --dataset itself."""
+    if args.dataset != "synthetic":
+        return (("--dataset", args.dataset,
+                 *(("--data-dir", args.data_dir) if args.data_dir else ())),
+                args.data_dir or args.dataset)
+    batch = args.global_batch_size or args.per_device_batch_size
+    pngs = workdir / "png"
+    if not pngs.exists():
+        loaders.write_png_folder(pngs, make_synthetic((WARMUP_STEPS + steps + 1) * batch,
+                                                      max(batch, 10)))
+    return ("--data-dir", str(pngs), "--image-size", "32"), "the `single` row's images as PNG files"
+
+
 def workers_rows(args, steps, jpegs: Path, large_batch: int, workdir: Path) -> list[Strategy]:
     """train_single --loader workers (the scripts' default worker count) on the `single` row's
     model, batch and images, and on ResNet-50 at 224 px."""
-    if args.dataset == "synthetic":
-        # the `single` row's synthetic images (launch), as files to decode
-        batch = args.global_batch_size or args.per_device_batch_size
-        pngs = workdir / "png"
-        loaders.write_png_folder(pngs, make_synthetic((WARMUP_STEPS + steps + 1) * batch,
-                                                      max(batch, 10)))
-        small = ("--data-dir", str(pngs), "--image-size", "32")
-        where = "the `single` row's images as PNG files"
-    else:
-        small = ("--dataset", args.dataset,
-                 *(("--data-dir", args.data_dir) if args.data_dir else ()))
-        where = args.data_dir or args.dataset
+    small, where = small_images(args, steps, workdir)
     flags = ("--loader", "workers")
     return [Strategy("workers32", f"train_single --loader workers, {args.model} at "
                                   f"32 px on {where}",
@@ -562,6 +578,51 @@ def input_checks(inputs: dict) -> list[dict]:
             f"{100 * share:.2f} % after the warm-up, {100 * row['data_wait_frac']:.2f} % with it "
             f"(batch {row['global_batch']}, {workers}, {tools._fmt_rate(row['img_per_s'])} img/s)",
             "reported", other_work=row["other_work"]))
+    return results
+
+
+def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
+    """The finetune check: train_single --loader workers without the fine-tuning flags and with
+    each of --finetune-flags, --repeats rounds of one launch each, alternated
+    (bench/finetune.py)."""
+    data, where = small_images(args, steps, workdir)
+    weights = finetune.write_weights(args.model, workdir / "weights.safetensors")
+    base = ("--loader", "workers", "--log-every", str(finetune.LOG_EVERY))
+    label = f"train_single --loader workers, {args.model} on {where}"
+    rows = {"base": Strategy("finetune-base", label, "train_single.py", 1, 1, flags=base,
+                             data=data)}
+    rows.update({name: Strategy(f"finetune-{name}", f"{label}, {name}", "train_single.py", 1, 1,
+                                flags=(*base, *finetune.flags(name, weights)), data=data)
+                 for name in args.finetune_flags})
+    batch = args.global_batch_size or args.per_device_batch_size
+    print(f"finetune: {label}, batch {batch}, {args.repeats} rounds of "
+          f"{len(rows)} launches (without the flags, then {' '.join(args.finetune_flags)}) ...",
+          flush=True)
+    runs, other_work = {name: [] for name in rows}, tools.OtherWork()
+    try:
+        for _ in range(args.repeats):
+            for name, row in rows.items():
+                runs[name].append(launch(row, args, batch, steps, gpus, workdir))
+    except RuntimeError as error:
+        print(f"  failed: {error}", flush=True)
+        return [check("finetune: the fine-tuning flags' cost per step", None, None,
+                      f"failed: {error}", "reported")]
+    share, results = other_work.share(), []
+    for name in args.finetune_flags:
+        cost = finetune.summarise(runs["base"], runs[name])
+        shown = " ".join(finetune.flags(name, Path("FILE")))
+        result = check(
+            f"finetune: {shown}", cost["ratio"], None,
+            f"{cost['cost_ms']:+.1f} ms a step, {cost['ratio']:.3f}x "
+            f"({1e3 * cost['flag_step_s']:.1f} vs {1e3 * cost['base_step_s']:.1f} ms); data wait "
+            f"{100 * cost['flag_data_wait']:.1f} % vs {100 * cost['base_data_wait']:.1f} %",
+            "reported",
+            f"{label}, batch {batch}; the mean step after the warm-up (a log every "
+            f"{finetune.LOG_EVERY} steps), each round's launch against the same round's launch "
+            f"without the flag", share)
+        result.update(cost, runs=runs[name], base_runs=runs["base"])
+        results.append(result)
+        print(f"  {shown}: {result['measured']}", flush=True)
     return results
 
 
@@ -721,9 +782,10 @@ def main(args):
                                          Path(workdir)))
         inputs = input_paths(checks, args, steps, gpus, device, Path(workdir)) \
             if {"loader", "workers"} & set(checks) else {}
+        tuned = finetune_checks(args, steps, gpus, Path(workdir)) if "finetune" in checks else []
     single = next((r for r in rows if r["name"] == "single"), {})
     results = (run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs)
-               if checks else [])
+               if checks else []) + tuned
 
     report = {"title": f"{args.model}, {args.dataset}", "model": args.model,
               "dataset": args.data_dir or args.dataset, "started": started,

@@ -138,8 +138,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+# The cases under a launcher that starts several processes: a test of their own, run one at a time
+# with the suite's other launches (conftest.py).
+LAUNCHED = [case for case, (command, *_) in CASES.items() if command[0] != sys.executable]
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case not in LAUNCHED])
 def test_bad_input_gets_one_line(case, tmp_path):
+    one_line(case, tmp_path)
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_a_bad_launch_gets_one_line(case, tmp_path):
+    one_line(case, tmp_path)
+
+
+def one_line(case, tmp_path):
     command, arguments, setup, expected = CASES[case]
     if setup:
         setup(tmp_path)

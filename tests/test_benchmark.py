@@ -224,7 +224,7 @@ def test_a_missing_or_failing_nvidia_smi_leaves_memory_to_the_scripts(monkeypatc
         output_dir.mkdir()
         (output_dir / "metrics.jsonl").write_text(json.dumps(
             {"step": 5, "epoch_time_s": 1.0, "data_wait_frac": 0.01, "gpu_mem_peak_gb": [1.5 + len(launches)]}))
-        (output_dir / "config.json").write_text(json.dumps({"loader": "device", "loader_workers": 0}))
+        (output_dir / "config.json").write_text(json.dumps({"args": {}, "loader": "device", "loader_workers": 0}))
         steps = command[command.index("bench.steptimer") + 1]
         Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1 * i for i in range(5)], "peak_rss_gb": 2,
                                                   "data_wait": [0.002] * 5}))
@@ -252,7 +252,7 @@ def test_workers_rows_train_on_image_folders_and_leave_the_warm_up_wait_out(monk
     def launched(command, cwd, gpus, timeout, env=None):
         output_dir = Path(command[command.index("--output-dir") + 1])
         output_dir.mkdir()
-        (output_dir / "config.json").write_text(json.dumps({"loader": "workers", "loader_workers": 1}))
+        (output_dir / "config.json").write_text(json.dumps({"args": {}, "loader": "workers", "loader_workers": 1}))
         (output_dir / "metrics.jsonl").write_text(json.dumps({"step": 5, "epoch_time_s": 2.0, "data_wait_frac": 0.3}))
         steps = command[command.index("bench.steptimer") + 1]
         Path(f"{steps}.0").write_text(json.dumps({"step_end": [0.1, 0.2, 0.4, 0.6, 0.8], "peak_rss_gb": 1,
