@@ -608,6 +608,11 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
         return [check("finetune: the fine-tuning flags' cost per step", None, None,
                       f"failed: {error}", "reported")]
     share, results = other_work.share(), []
+    base_ms = [1e3 * finetune.launch_mean(run) for run in runs["base"]]
+    note = (f"{label}, batch {batch}; a launch's step: the mean after the warm-up (a log every "
+            f"{finetune.LOG_EVERY} steps); each flag's launch against the same round's launch "
+            f"without it, whose steps took {min(base_ms):.1f} to {max(base_ms):.1f} ms over the "
+            f"{len(base_ms)} rounds")
     for name in args.finetune_flags:
         cost = finetune.summarise(runs["base"], runs[name])
         shown = " ".join(finetune.flags(name, Path("FILE")))
@@ -616,10 +621,7 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
             f"{cost['cost_ms']:+.1f} ms a step, {cost['ratio']:.3f}x "
             f"({1e3 * cost['flag_step_s']:.1f} vs {1e3 * cost['base_step_s']:.1f} ms); data wait "
             f"{100 * cost['flag_data_wait']:.1f} % vs {100 * cost['base_data_wait']:.1f} %",
-            "reported",
-            f"{label}, batch {batch}; the mean step after the warm-up (a log every "
-            f"{finetune.LOG_EVERY} steps), each round's launch against the same round's launch "
-            f"without the flag", share)
+            "reported", "" if results else note, share)
         result.update(cost, runs=runs[name], base_runs=runs["base"])
         results.append(result)
         print(f"  {shown}: {result['measured']}", flush=True)

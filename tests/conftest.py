@@ -1,4 +1,5 @@
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,58 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # The files, and the tests of other files, that launch several processes: they meet at accelerate
 # launch's and torchrun's default port (29500), where a second job at the same time finds it taken
-# (accelerate then moves to another port, with a warning). They run one at a time, on one worker.
-LAUNCHING_FILES = {"test_benchmark", "test_copy_set", "test_ema", "test_fault_tolerance", "test_faults_checkpoints",
-                   "test_faults_data", "test_faults_signals", "test_fine_tune", "test_gpu", "test_make_restart",
-                   "test_run_folder", "test_train_ddp", "test_train_fsdp", "test_train_single", "test_workers"}
-LAUNCHING_TESTS = {"test_a_bad_launch_gets_one_line"}
+# (accelerate then moves to another port, with a warning). They run one at a time, on one worker. A
+# new test that launches several processes belongs here.
+LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_gpu", "test_make_restart", "test_train_ddp",
+                   "test_train_fsdp"}
+LAUNCHING_TESTS = {
+    "test_bad_input": {"test_a_bad_launch_gets_one_line"},
+    "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
+    "test_ema": {"test_a_two_process_resume_is_bit_for_bit"},
+    "test_faults_checkpoints": {"test_a_full_disk_under_ddp_is_one_line_and_no_hang",
+                                "test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
+                                "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
+    "test_faults_data": {"test_dist_timeout_works_at_both_ends", "test_a_refusal_on_two_processes_is_one_line"},
+    "test_faults_signals": {"test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line"},
+    "test_fine_tune": {"test_a_frozen_backbone_and_its_batchnorm_statistics_do_not_move_under_ddp",
+                       "test_inputs_are_normalised_as_the_weights_expect_and_evaluate_needs_nothing_more",
+                       "test_a_run_s_interpolation_is_carried_forward_by_pretrained_path"},
+    "test_workers": {"test_two_process_ddp_through_workers_matches_one_process"},
+}
+
+
+def launches(nodeid: str) -> bool:
+    file, _, test = nodeid.partition("::")
+    stem = Path(file).stem
+    return stem in LAUNCHING_FILES or test.partition("[")[0] in LAUNCHING_TESTS.get(stem, ())
+
+
+def launcher_of(command) -> str | None:
+    """The launcher a subprocess command starts that starts several processes, if any."""
+    parts = [str(part) for part in command] if isinstance(command, (list, tuple)) else str(command).split()
+    name = Path(parts[0]).name if parts else ""
+    if name == "torchrun" or (name == "accelerate" and "launch" in parts) or (name == "make" and "ddp" in parts):
+        return " ".join([name, *(["launch"] if name == "accelerate" else []), *(["ddp"] if name == "make" else [])])
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test outside the lists above that starts a launcher (in its setup too) fails, saying where
+    it belongs."""
+    start = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        launcher = launcher_of(args)
+        if launcher and not launches(item.nodeid):
+            raise AssertionError(f"{item.nodeid} starts {launcher}: add it to LAUNCHING_TESTS in tests/conftest.py")
+        start(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen.__init__ = start
 
 
 def pytest_configure(config):
@@ -26,15 +74,13 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by file (a file's module fixtures run once), with the launching tests
-    together in one unit of work."""
+    """xdist's scheduling by file (a file's module fixtures run once), the launching tests together
+    in one unit of work."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduler(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file, _, test = nodeid.partition("::")
-            launches = Path(file).stem in LAUNCHING_FILES or test.partition("[")[0] in LAUNCHING_TESTS
-            return "launching" if launches else file
+            return "launching" if launches(nodeid) else nodeid.partition("::")[0]
 
     return Scheduler(config, log)
 

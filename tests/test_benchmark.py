@@ -412,6 +412,10 @@ def test_docs_show_the_committed_benchmark_run():
         assert row["img_per_s"] == pytest.approx(row["global_batch"] / statistics.median(seconds))
     with Image.open(folder / "benchmark.png") as image:
         assert image.format == "PNG" and image.width > 800
+    # The finetune check's run, kept beside it: every flag's row on the page, unedited.
+    tuned = [line for line in (folder / "finetune" / "benchmark.md").read_text().splitlines()
+             if line.startswith("| finetune:")]
+    assert len(tuned) == 11 and [line for line in tuned if line not in page] == []
     # The input paths' run, kept beside it: its section's tables are on the page, its ratio the rounds' median.
     section = (folder / "inputs" / "benchmark.md").read_text().split("## Input paths")[1].split("## Checks")[0]
     tables = [line for line in section.splitlines() if line.startswith("|")]
