@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_gpu", "test_make_restart", "test_train_ddp",
                    "test_train_fsdp"}
 LAUNCHING_TESTS = {
-    "test_bad_input": {"test_a_bad_launch_gets_one_line"},
+    "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
     "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
     "test_ema": {"test_a_two_process_resume_is_bit_for_bit"},
     "test_faults_checkpoints": {"test_a_full_disk_under_ddp_is_one_line_and_no_hang",
