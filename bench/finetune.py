@@ -2,10 +2,12 @@
 
 train_single --loader workers (the path RandAugment and TrivialAugmentWide need) on an image
 folder, launched without the fine-tuning flags (the base) and with each of them, by the benchmark's
-protocol. The launches alternate round by round (base, flag 1, ..., flag n, base, ...): a flag is
-compared with base launches of the same minutes, as a shared machine's speed drifts. A launch's step
-time is the mean of its steps after the warm-up, not the median: trackers write once every
---log-every steps (5 here, in every launch), and that write is part of what their flag costs.
+protocol. A round launches the base, then each flag once; one more base launch ends the last round.
+Each flag's launch is compared with the base launches just before and after its round (their mean),
+as a shared machine's speed drifts, and every other round runs the flags in reverse order, so no
+flag always runs furthest from a base launch. A launch's step time is the mean of its steps after
+the warm-up, not the median: trackers write once every --log-every steps (5 here, in every launch),
+and that write is part of what their flag costs.
 """
 
 import statistics
@@ -35,13 +37,17 @@ VARIANTS = {
 
 
 def write_weights(model: str, path: Path) -> Path:
-    """A weights file of ``model`` (seeded random weights, 10 classes) for --pretrained-path: the
-    load and the head swap are what a real checkpoint costs; its values do not change a step's
-    time."""
+    """A weights file of ``model`` (seeded random weights, 10 classes) for --pretrained-path: its
+    values do not change a step's time, and the load happens before the timed steps."""
     torch.manual_seed(0)
     state = build_model(model, num_classes=10).state_dict()
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
     return path
+
+
+def order(names: list[str], round_: int) -> list[str]:
+    """The flags' launch order in a round: as given, reversed every other round."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
 
 
 def flags(name: str, weights: Path) -> tuple[str, ...]:
@@ -54,12 +60,15 @@ def launch_mean(run: dict) -> float:
 
 
 def summarise(base: list[dict], variant: list[dict]) -> dict:
-    """A flag's launches against the base launches of the same rounds: the median over rounds of
-    the step-time ratio, and the median step times and data waits of each."""
-    ratios = [launch_mean(v) / launch_mean(b) for b, v in zip(base, variant)]
-    base_s = statistics.median(map(launch_mean, base))
-    flag_s = statistics.median(map(launch_mean, variant))
+    """A flag's launches (one a round) against the base launches that bracket each round
+    (``base`` has one launch more than ``variant``): per round, the flag's step time over the mean
+    of the two, and the difference; the medians over the rounds."""
+    brackets = [(launch_mean(before) + launch_mean(after)) / 2
+                for before, after in zip(base, base[1:])]
+    flagged = [launch_mean(run) for run in variant]
+    ratios = [f / b for f, b in zip(flagged, brackets)]
     return {"ratio": statistics.median(ratios), "round_ratios": ratios,
-            "base_step_s": base_s, "flag_step_s": flag_s, "cost_ms": 1e3 * (flag_s - base_s),
+            "cost_ms": 1e3 * statistics.median(f - b for f, b in zip(flagged, brackets)),
+            "base_step_s": statistics.median(brackets), "flag_step_s": statistics.median(flagged),
             "base_data_wait": statistics.median(r["data_wait_steady_frac"] for r in base),
             "flag_data_wait": statistics.median(r["data_wait_steady_frac"] for r in variant)}

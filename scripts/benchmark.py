@@ -43,8 +43,8 @@ side here:
                 update timed alone; reported as measured
     finetune    the cost per step of each fine-tuning flag (--finetune-flags): train_single
                 --loader workers on the `single` row's images as PNG files (or --data-dir), with
-                the flag against without it, launches alternated round by round
-                (bench/finetune.py); reported as measured
+                the flag against without it, each round of launches between two without flags
+                (bench/finetune.py); reported as measured. Not part of `all`: 2 launches per flag
 
 Launch:
     python scripts/benchmark.py                              # every strategy here and every check
@@ -196,7 +196,8 @@ def parse_args(argv=None):
     parser.add_argument("--sweep-strategy", default="single",
                         help="the row the sweep varies (default: %(default)s)")
     parser.add_argument("--checks", nargs="+", default=["all"], choices=("all", "none", *CHECKS),
-                        help="ratio checks to run after the rows (default: all)")
+                        help="ratio checks to run after the rows; all is every one but "
+                             "finetune (default: all)")
     parser.add_argument("--finetune-flags", nargs="+", default=list(finetune.VARIANTS),
                         choices=finetune.VARIANTS, metavar="NAME",
                         help="the finetune check's flags, by name: "
@@ -583,8 +584,8 @@ def input_checks(inputs: dict) -> list[dict]:
 
 def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
     """The finetune check: train_single --loader workers without the fine-tuning flags and with
-    each of --finetune-flags, --repeats rounds of one launch each, alternated
-    (bench/finetune.py)."""
+    each of --finetune-flags, --repeats rounds of one launch each, each round between two launches
+    without them (bench/finetune.py)."""
     data, where = small_images(args, steps, workdir)
     weights = finetune.write_weights(args.model, workdir / "weights.safetensors")
     base = ("--loader", "workers", "--log-every", str(finetune.LOG_EVERY))
@@ -595,31 +596,36 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
                                 flags=(*base, *finetune.flags(name, weights)), data=data)
                  for name in args.finetune_flags})
     batch = args.global_batch_size or args.per_device_batch_size
-    print(f"finetune: {label}, batch {batch}, {args.repeats} rounds of "
-          f"{len(rows)} launches (without the flags, then {' '.join(args.finetune_flags)}) ...",
+    names = list(dict.fromkeys(args.finetune_flags))
+    print(f"finetune: {label}, batch {batch}, {args.repeats} rounds of {len(names)} launches "
+          f"({' '.join(names)}), each round between two launches without the flags ...",
           flush=True)
     runs, other_work = {name: [] for name in rows}, tools.OtherWork()
     try:
-        for _ in range(args.repeats):
-            for name, row in rows.items():
-                runs[name].append(launch(row, args, batch, steps, gpus, workdir))
+        for round_ in range(args.repeats):
+            for name in ["base", *finetune.order(names, round_)]:
+                runs[name].append(launch(rows[name], args, batch, steps, gpus, workdir))
+        runs["base"].append(launch(rows["base"], args, batch, steps, gpus, workdir))
     except RuntimeError as error:
         print(f"  failed: {error}", flush=True)
-        return [check("finetune: the fine-tuning flags' cost per step", None, None,
-                      f"failed: {error}", "reported")]
+        failed = check("finetune: the fine-tuning flags' cost per step", None, None,
+                       f"failed: {error}", "reported")
+        return [{**failed, "error": str(error)}]
     share, results = other_work.share(), []
     base_ms = [1e3 * finetune.launch_mean(run) for run in runs["base"]]
     note = (f"{label}, batch {batch}; a launch's step: the mean after the warm-up (a log every "
-            f"{finetune.LOG_EVERY} steps); each flag's launch against the same round's launch "
-            f"without it, whose steps took {min(base_ms):.1f} to {max(base_ms):.1f} ms over the "
-            f"{len(base_ms)} rounds")
-    for name in args.finetune_flags:
+            f"{finetune.LOG_EVERY} steps); each flag's launch against the mean of the launches "
+            f"without flags before and after its round, which took {min(base_ms):.1f} to "
+            f"{max(base_ms):.1f} ms a step ({len(base_ms)} launches); the medians over "
+            f"{args.repeats} rounds, the flags' order reversed every other round")
+    for name in names:
         cost = finetune.summarise(runs["base"], runs[name])
         shown = " ".join(finetune.flags(name, Path("FILE")))
         result = check(
             f"finetune: {shown}", cost["ratio"], None,
             f"{cost['cost_ms']:+.1f} ms a step, {cost['ratio']:.3f}x "
-            f"({1e3 * cost['flag_step_s']:.1f} vs {1e3 * cost['base_step_s']:.1f} ms); data wait "
+            f"({1e3 * cost['flag_step_s']:.1f} vs {1e3 * cost['base_step_s']:.1f} ms, "
+            f"{min(cost['round_ratios']):.3f}x to {max(cost['round_ratios']):.3f}x); data wait "
             f"{100 * cost['flag_data_wait']:.1f} % vs {100 * cost['base_data_wait']:.1f} %",
             "reported", "" if results else note, share)
         result.update(cost, runs=runs[name], base_runs=runs["base"])
@@ -696,13 +702,23 @@ def memory_protocol(gpus: int) -> str:
 
 # --------------------------------------------------------------------------------------- main
 
+def chosen_checks(asked: list[str]) -> list[str]:
+    """--checks as the checks to run: all is every one but finetune (2 launches per flag), which
+    runs where it is named."""
+    if "none" in asked:
+        return []
+    if "all" in asked:
+        return [c for c in CHECKS if c != "finetune" or c in asked]
+    return list(asked)
+
+
 def main(args):
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     steps = args.steps or (50 if gpus else 8)
     available = available_strategies(gpus)
     names = args.strategies or list(available)
-    checks = [] if "none" in args.checks else list(CHECKS) if "all" in args.checks else args.checks
+    checks = chosen_checks(args.checks)
     if checks and "single" not in names:
         names = ["single", *names]  # the checks compare the other loops with train_single
     for name in [*names, *([args.sweep_strategy] if args.sweep_batch_size else [])]:
@@ -806,6 +822,7 @@ def main(args):
     print(f"benchmark: {report['duration_s']:.0f} s; wrote benchmark.json, benchmark.md, "
           f"benchmark.png to {output_dir}")
     failed = [r["name"] for r in rows + sweep + inputs.get("rows", []) if r.get("error")]
+    failed += ["finetune"] * any(r.get("error") for r in tuned)
     if failed:
         print(f"error: rows {', '.join(failed)} failed to run (see above)", file=sys.stderr)
     return 1 if failed else 0

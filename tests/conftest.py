@@ -2,15 +2,15 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-from helpers import TINY, run
-
 # `make test` runs the suite on 2 pytest-xdist workers: much of a test's time is a process starting,
 # importing torch or waiting for a timeout, which leaves the other core idle. An OpenMP thread that
 # waits for its sibling then sleeps instead of spinning: with the other worker's process on a core,
-# the spinning took a tiny run 10x longer.
+# the spinning took a tiny run 10x longer. Set before torch is imported (helpers imports it).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from helpers import TINY, run  # noqa: E402
 
 # The files, and the tests of other files, that launch several processes: they meet at accelerate
 # launch's and torchrun's default port (29500), where a second job at the same time finds it taken
@@ -44,6 +44,9 @@ def launcher_of(command) -> str | None:
     """The launcher a subprocess command starts that starts several processes, if any."""
     parts = [str(part) for part in command] if isinstance(command, (list, tuple)) else str(command).split()
     name = Path(parts[0]).name if parts else ""
+    if "-m" in parts[:2] and len(parts) > 2:  # python -m torch.distributed.run, accelerate.commands.launch
+        name = {"torch.distributed.run": "torchrun", "accelerate.commands.launch": "accelerate"}.get(parts[2], name)
+        parts = [name, "launch", *parts[3:]]
     if name == "torchrun" or (name == "accelerate" and "launch" in parts) or (name == "make" and "ddp" in parts):
         return " ".join([name, *(["launch"] if name == "accelerate" else []), *(["ddp"] if name == "make" else [])])
     return None
