@@ -313,7 +313,7 @@ if sys.argv[1] == "cpu":
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.ones(16 << 20); del x
 before = faults()
-for _ in range(5):  # a training step's activations: the same 64 MB allocated and freed again
+for _ in range(20):  # a training step's activations: the same 64 MB allocated and freed again
     x = torch.ones(16 << 20); del x
 print(faults() - before)
 """
@@ -330,5 +330,8 @@ def test_on_a_cpu_freed_tensor_memory_is_reused_not_faulted_in_again(tmp_path):
         done = subprocess.run([sys.executable, str(tmp_path / "faults.py"), device], cwd=ROOT, capture_output=True,
                               text=True, timeout=120, check=True)
         faults[device] = int(done.stdout)
-    assert faults["untouched"] >= 4 * (16 << 20) * 4 // resource.getpagesize(), faults  # at least 4 of 5 mapped anew
+    # By default at least 16 of the 20 allocations are mapped anew; after, the pages are kept, and the
+    # faults left (16,384 on a quiet machine, up to 49,153 under load: the kernel's own minor faults,
+    # e.g. NUMA balancing's) are a quarter of that or less.
+    assert faults["untouched"] >= 16 * (16 << 20) * 4 // resource.getpagesize(), faults
     assert faults["cpu"] * 4 <= faults["untouched"], faults
