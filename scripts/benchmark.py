@@ -590,13 +590,13 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
     weights = finetune.write_weights(args.model, workdir / "weights.safetensors")
     base = ("--loader", "workers", "--log-every", str(finetune.LOG_EVERY))
     label = f"train_single --loader workers, {args.model} on {where}"
+    names = list(dict.fromkeys(args.finetune_flags))  # each once
     rows = {"base": Strategy("finetune-base", label, "train_single.py", 1, 1, flags=base,
                              data=data)}
     rows.update({name: Strategy(f"finetune-{name}", f"{label}, {name}", "train_single.py", 1, 1,
                                 flags=(*base, *finetune.flags(name, weights)), data=data)
-                 for name in args.finetune_flags})
+                 for name in names})
     batch = args.global_batch_size or args.per_device_batch_size
-    names = list(dict.fromkeys(args.finetune_flags))
     print(f"finetune: {label}, batch {batch}, {args.repeats} rounds of {len(names)} launches "
           f"({' '.join(names)}), each round between two launches without the flags ...",
           flush=True)

@@ -44,11 +44,14 @@ def launcher_of(command) -> str | None:
     """The launcher a subprocess command starts that starts several processes, if any."""
     parts = [str(part) for part in command] if isinstance(command, (list, tuple)) else str(command).split()
     name = Path(parts[0]).name if parts else ""
-    if "-m" in parts[:2] and len(parts) > 2:  # python -m torch.distributed.run, accelerate.commands.launch
-        name = {"torch.distributed.run": "torchrun", "accelerate.commands.launch": "accelerate"}.get(parts[2], name)
-        parts = [name, "launch", *parts[3:]]
-    if name == "torchrun" or (name == "accelerate" and "launch" in parts) or (name == "make" and "ddp" in parts):
-        return " ".join([name, *(["launch"] if name == "accelerate" else []), *(["ddp"] if name == "make" else [])])
+    if len(parts) > 2 and parts[1] == "-m":  # python -m MODULE
+        return {"torch.distributed.run": "torchrun", "accelerate.commands.launch": "accelerate launch"}.get(parts[2])
+    if name == "torchrun":
+        return name
+    if name == "accelerate" and "launch" in parts:
+        return "accelerate launch"
+    if name == "make" and "ddp" in parts:
+        return "make ddp"
     return None
 
 
