@@ -10,6 +10,7 @@ from common.data_flags import add_augment_args, add_data_args, check_augment_arg
 from common.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
 from common.errors import UserError
 from common.files import check_folder
+from common.launch import SHARE_GPUS
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, build_model, model_names
 from common.pretrained import check_fine_tuning
 from common.profiling import profile_steps
@@ -201,6 +202,26 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                           help="log the loss, lr and img/s to the trackers every this many "
                                "optimizer steps (default: %(default)s)")
     return parser
+
+
+def add_ddp_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the scripts that run one process per GPU (DDP, AMP, FSDP2)."""
+    processes = parser.add_argument_group("processes")
+    processes.add_argument("--sync-bn", action="store_true",
+                           help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs "
+                                "only)")
+    processes.add_argument("--dist-timeout", type=float, default=600,
+                           help="seconds (10 or more) a process waits for the others in a "
+                                "collective: a stalled one fails the job, not hangs it "
+                                "(default: %(default)s)")
+    processes.add_argument("--share-gpus", nargs="?", const="auto", default=None,
+                           choices=SHARE_GPUS, metavar="BACKEND",
+                           help="let several processes share each GPU, to rehearse a launch for "
+                                "more GPUs than this machine has (e.g. accelerate_configs/"
+                                "8gpu_rehearsal.yaml on 1 GPU): it proves the launch, checkpoints "
+                                "and resume, not speed. BACKEND: auto (NCCL where it can share a "
+                                "GPU, 2.30 and newer; else gloo), nccl or gloo (default: off, one "
+                                "process per GPU; more processes than GPUs is refused)")
 
 
 def check_args(args: argparse.Namespace) -> None:

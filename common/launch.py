@@ -2,14 +2,25 @@
 
 Each check stops a launch that would run, but wrongly (N lone trainings instead of DDP, a process
 on a GPU that does not exist, unequal slices of the batch), with one line saying what to change.
+The one exception is asked for: --share-gpus puts several processes on each GPU, to rehearse a
+launch for more GPUs than this machine has (its code paths, checkpoints and resume, not its speed).
 """
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from common.errors import UserError
 from common.failures import refused_together
+
+# NCCL shares a GPU between processes from 2.30 on, when asked with NCCL_MULTI_RANK_GPU_ENABLE=1
+# (NCCL's src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set
+# NCCL_MULTI_RANK_GPU_ENABLE=1 ..."); older NCCL refuses ("Duplicate GPU detected",
+# NVIDIA/nccl#103).
+NCCL_SHARES_GPUS = (2, 30, 0)
+SHARE_GPUS = ("auto", "nccl", "gloo")  # --share-gpus: auto is NCCL where it can share, else gloo
 
 
 def launched_processes() -> int:
@@ -28,15 +39,103 @@ def require_single_process(script: str) -> None:
                         f"--num_processes 1")
 
 
-def check_gpus_per_node() -> None:
-    """One process per GPU: a launch with more processes on a node than it has GPUs (8gpu.yaml on a
-    4-GPU machine) would otherwise fail deep inside CUDA with "invalid device ordinal"."""
-    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if gpus and local_rank >= gpus:
-        local_size = os.environ.get("LOCAL_WORLD_SIZE", "more")
-        raise UserError(f"the launch starts {local_size} processes on this node but it has {gpus} "
+def nccl_version() -> tuple[int, ...] | None:
+    """The NCCL this torch loads (it may not be the one it was built with); None without NCCL."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):  # a torch built without NCCL (CPU, ROCm, macOS)
+        return None
+
+
+@dataclass(frozen=True)
+class GpuSharing:
+    """How this node's processes sit on its GPUs: ``per_gpu`` processes on the busiest one (0: no
+    GPU, 1: a GPU each) and the process group's ``backend`` to ask Accelerate for (None: its
+    default, NCCL on GPUs, gloo on CPUs)."""
+    per_gpu: int
+    backend: str | None = None
+
+
+def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
+                     nccl: tuple[int, ...] | None) -> GpuSharing:
+    """``processes`` on a node of ``gpus`` GPUs: one per GPU, or with --share-gpus ``share``
+    (auto, nccl, gloo) several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
+    Without --share-gpus more processes than GPUs is refused: it is a launch meant for another
+    machine (8gpu.yaml on 4 GPUs), where NCCL would fail at its first collective ("Duplicate GPU
+    detected") or, from 2.30, share the GPUs without a word."""
+    if not gpus:  # the CPU: gloo, as without the flag (named when asked, as on GPUs)
+        if share == "nccl":
+            raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
+                            "use --share-gpus gloo, or drop the flag")
+        return GpuSharing(0, "gloo" if share else None)
+    per_gpu = math.ceil(processes / gpus)
+    if per_gpu == 1:
+        return GpuSharing(1)
+    if share is None:
+        raise UserError(f"the launch starts {processes} processes on this node but it has {gpus} "
                         f"GPUs: pass --num_processes {gpus} (per node) to accelerate launch, or "
-                        f"use a config for {gpus} GPUs")
+                        f"use a config for {gpus} GPUs (to rehearse this launch here, several "
+                        f"processes a GPU: add --share-gpus)")
+    if share == "nccl" and not nccl_shares_gpus(nccl):
+        raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
+                        f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
+    nccl_chosen = share == "nccl" or share == "auto" and nccl_shares_gpus(nccl)
+    return GpuSharing(per_gpu, "nccl" if nccl_chosen else "gloo")
+
+
+def nccl_shares_gpus(nccl: tuple[int, ...] | None) -> bool:
+    return nccl is not None and nccl >= NCCL_SHARES_GPUS
+
+
+def _version(nccl: tuple[int, ...] | None) -> str:
+    return ".".join(map(str, nccl)) if nccl else "none"
+
+
+def sharing_note(processes: int, gpus: int, backend: str, nccl: tuple[int, ...] | None) -> str:
+    """The warning a run whose processes share GPUs starts with: what it proves and what not."""
+    over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if backend == "nccl" else
+            f"{backend}, its collectives copied through host memory"
+            + ("" if nccl_shares_gpus(nccl) else
+               f" (NCCL {_version(nccl)} cannot share a GPU: 2.30 can)"))
+    return (f"warning: --share-gpus: {processes} processes on {gpus} GPU(s) of this node, up to "
+            f"{math.ceil(processes / gpus)} a GPU, over {over}: a rehearsal that proves the "
+            f"launch, its collectives, checkpoints and resume; its speed and memory figures say "
+            f"nothing of {processes} GPUs")
+
+
+def local_processes() -> int:
+    """This node's processes (LOCAL_WORLD_SIZE, from torchrun / accelerate launch); 1 alone."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def set_gpu_sharing(share: str | None) -> str | None:
+    """One process per GPU, or with --share-gpus ``share`` several, asked of NCCL in this process's
+    environment (NCCL_MULTI_RANK_GPU_ENABLE=1, unless set) where it shares them: the backend for
+    Accelerate (None: its default). A launch with more processes than GPUs and no --share-gpus is
+    refused, in one line from each node's first process (the others exit quietly)."""
+    try:
+        sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
+                                   nccl_version())
+    except UserError:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            raise
+        raise SystemExit(1) from None  # the same refusal, said once a node
+    if sharing.backend == "nccl":  # read by NCCL when the first collective makes its communicator
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    return sharing.backend
+
+
+def launch_record(accelerator) -> dict:
+    """For config.json and the start line: the processes, their device, the process group's
+    backend, how many processes share each GPU and, when several do, the warning that says so."""
+    gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
+    processes = local_processes() if accelerator.num_processes > 1 else 1
+    per_gpu = math.ceil(processes / gpus) if gpus else None
+    backend = accelerator.state.backend if accelerator.num_processes > 1 else None
+    return {"world_size": accelerator.num_processes, "device": str(accelerator.device),
+            "backend": backend, "processes_per_gpu": per_gpu,
+            "gpu_sharing": (sharing_note(processes, gpus, backend, nccl_version())
+                            if per_gpu and per_gpu > 1 else None)}
 
 
 def check_world_size(accelerator) -> None:

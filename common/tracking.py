@@ -300,9 +300,12 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
                 + (" (deterministic)" if args["deterministic"] else ""))
     data = f"{config['train_size']} training images ({config['data']}), {data_line}"
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
-    tuned = config.get("fine_tune", {})  # --pretrained, --pretrained-path, --compile: lines
-    notes = (tuned.get("loaded"), tuned.get("frozen"), config.get("compile"))  # of their own
+    tuned = config.get("fine_tune", {})  # --pretrained(-path), --compile, --share-gpus: lines
+    notes = (tuned.get("loaded"), tuned.get("frozen"), config.get("compile"),  # of their own
+             config.get("gpu_sharing"))  # --share-gpus: what a rehearsal proves and does not
     notes = "".join(f"\n{SCRIPT_INDENT}{note}" for note in notes if note)
+    if config.get("backend"):  # several processes: their collectives' backend
+        where = f"{where} ({config['backend']})"
     return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "
             f"{numerics}, {data}, {steps}, record in {output_dir}{notes}")
 

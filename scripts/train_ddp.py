@@ -15,6 +15,9 @@ how the tests check it. Changes from train_single.py, each tagged "# DDP:"
   did not;
 - --sync-bn: BatchNorm statistics over the global batch instead of each process's slice (GPUs);
 - --dist-timeout: a process that stalls ends the job instead of hanging it;
+- --share-gpus: several processes on each GPU, to rehearse a launch for more GPUs than this machine
+  has (launch, checkpoints, resume; not speed), over NCCL 2.30+ or gloo; without it, more
+  processes than GPUs is refused;
 - augmentation seeded per process, the train loss averaged over processes. Evaluation was already
   exact (gather_for_metrics drops the padding duplicates) and files are written by the main
   process only.
@@ -25,6 +28,8 @@ Launch (one node; --num_processes overrides the config's count):
     accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 \
         scripts/train_ddp.py --dataset synthetic --model resnet20
                                                   # real 2-process DDP on a CPU-only machine (gloo)
+    accelerate launch --config_file accelerate_configs/8gpu_rehearsal.yaml scripts/train_ddp.py \
+        --share-gpus                          # the 8-GPU job rehearsed on this machine's GPUs
 Two nodes of 4 GPUs: see accelerate_configs/2nodes_4gpu.yaml and accelerate_configs/slurm_2nodes.sh.
 Resume: the same command plus --output-dir runs/train_ddp-... --resume.
 """
@@ -40,7 +45,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
-from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, build_parser, check_args
+from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
 from common.compiling import compile_plugin
 from common.data_flags import data_options
 from common.ema import WeightAverage
@@ -48,7 +53,7 @@ from common.errors import UserError
 from common.evaluation import evaluate
 from common.failures import refused_together
 from common.inputs import load_inputs
-from common.launch import check_gpus_per_node, check_launch
+from common.launch import check_launch, launch_record, set_gpu_sharing
 from common.models import build_model
 from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
@@ -70,16 +75,12 @@ from common.tracking import (
 from common.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
-RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout"}  # DDP: a resumed job may wait longer or shorter
+RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout", "share_gpus"}  # DDP: the wait, GPUs shared
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__)
-    parser.add_argument("--sync-bn", action="store_true",  # DDP: statistics of the global batch
-                        help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs only)")
-    parser.add_argument("--dist-timeout", type=float, default=600,  # DDP: a stall fails the job
-                        help="seconds (10 or more) a process waits for the others in a collective: "
-                             "a stalled one fails the job, not hangs it (default: %(default)s)")
+    add_ddp_args(parser)  # DDP: --sync-bn, --dist-timeout, --share-gpus
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -89,7 +90,7 @@ def set_up(args) -> Accelerator:
     """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
-    check_gpus_per_node()  # DDP: one process per GPU, never more
+    backend = set_gpu_sharing(args.share_gpus)  # DDP: a GPU each, or shared (--share-gpus)
     accelerator = Accelerator(
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
@@ -101,7 +102,8 @@ def set_up(args) -> Accelerator:
             use_seedable_sampler=True, data_seed=args.seed,
             non_blocking=True, split_batches=True),  # DDP: each process takes a slice
         # DDP: a process stalled in a collective for --dist-timeout seconds fails the job
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout),
+                                                backend=backend)],  # None: NCCL on GPUs
     )
     check_launch(accelerator, args.batch_size, args.grad_accum)  # DDP: every process, equal slices
     if args.sync_bn and accelerator.device.type == "cpu":  # DDP: torch has no CPU SyncBatchNorm
@@ -157,7 +159,7 @@ def main(args):
     accelerator.register_for_checkpointing(progress)
     ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(accelerator.device),
+        **launch_record(accelerator),  # the processes, their devices, the backend
         "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config,

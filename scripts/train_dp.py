@@ -24,10 +24,11 @@ train_single.py, each tagged "# DP:" (docs/diffs/train_dp.diff):
 - --loss-in-replicas: each GPU computes the loss of its own slice (the articles' "parallel
   criterion"), so GPU 0 gathers one number per GPU instead of every output.
 
-No --compile (the replicas are new copies of the model at every step) and no mixed precision:
-Accelerate's autocast is bound to the model that prepare() saw, which every replica would call, so
-DataParallel needs autocast inside each replica's thread and a hand-driven GradScaler, a second way
-to teach AMP; scripts/train_amp.py teaches it once, on DDP.
+No --share-gpus (train_ddp.py's rehearsal of a launch on fewer GPUs): DataParallel needs a
+distinct GPU per replica. No --compile (the replicas are new copies of the model at every step)
+and no mixed precision: Accelerate's autocast is bound to the model that prepare() saw, which every
+replica would call, so DataParallel needs autocast inside each replica's thread and a hand-driven
+GradScaler, a second way to teach AMP; scripts/train_amp.py teaches it once, on DDP.
 
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
@@ -61,7 +62,7 @@ from common.errors import UserError
 from common.evaluation import evaluate
 from common.failures import refused_together
 from common.inputs import load_inputs
-from common.launch import require_single_process
+from common.launch import launch_record, require_single_process
 from common.models import build_model
 from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
@@ -179,7 +180,7 @@ def main(args):
     accelerator.register_for_checkpointing(progress)
     ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(accelerator.device),
+        **launch_record(accelerator),  # the processes, their devices, the backend
         "gpus": [str(d) for d in devices],  # DP: the GPUs DataParallel splits over
         "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,

@@ -42,7 +42,7 @@ from common.ema import WeightAverage
 from common.evaluation import evaluate
 from common.failures import refused_together
 from common.inputs import load_inputs
-from common.launch import require_single_process
+from common.launch import launch_record, require_single_process
 from common.models import build_model
 from common.numerics import set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
@@ -138,7 +138,7 @@ def main(args):
     accelerator.register_for_checkpointing(progress)
     ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
-        "world_size": accelerator.num_processes, "device": str(accelerator.device),
+        **launch_record(accelerator),  # the processes, their devices, the backend
         "fp32_precision": fp32, "per_device_batch_size": per_device_batch,
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config,

@@ -12,7 +12,7 @@ from helpers import ROOT, execute, tmpfs, tree_digest, user_env
 
 from common.checkpoints import save_checkpoint
 from common.errors import UserError
-from common.launch import check_batch_split, check_gpus_per_node
+from common.launch import check_batch_split
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
@@ -131,6 +131,10 @@ CASES = {
     "malformed Accelerate config": ([str(BIN / "accelerate"), "launch", "--config_file", "{tmp}/cfg/bad.yaml",
                                      str(ROOT / "scripts" / "train_ddp.py")], SMALL, lambda t: bad_yaml(t / "cfg"),
                                     'in "{tmp}/cfg/bad.yaml", line 3'),
+    "--share-gpus nccl without a GPU": (accelerate() + [str(ROOT / "scripts" / "train_ddp.py")],
+                                        [*SMALL, "--share-gpus", "nccl"], None,
+                                        "error: --share-gpus nccl: no GPU here, and NCCL reduces GPU tensors "
+                                        "only: use --share-gpus gloo, or drop the flag"),
     "one-process script launched as several": ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                                                 str(ROOT / "scripts" / "train_single.py")], SMALL, None,
                                                ("train_single.py trains in one process but was launched as 2 processes "
@@ -209,6 +213,9 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"
            ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
           ("train_dp", ["--reference-batch-size", "0"], "--reference-batch-size 0: must be 1 or more"),
+          ("train_dp", ["--share-gpus"], "unrecognized arguments: --share-gpus; see --help"),  # one GPU a replica
+          ("train_fsdp", ["--share-gpus", "mpi"], "argument --share-gpus: invalid choice: 'mpi' (choose from "
+                                                  "'auto', 'nccl', 'gloo'); see --help"),
           ("train_single", ["--checkpoint-every", "0"], "--checkpoint-every 0: must be 1 or more"),
           ("evaluate", ["--weights", "w.safetensors", "--eval-batch-size", "0"],
            "--eval-batch-size 0: must be 1 or more"),
@@ -323,17 +330,6 @@ def test_a_batch_that_does_not_split_into_processes_and_micro_batches():
     assert error.value.message == ("--batch-size 100 does not divide by 8 (2 processes x 4 micro-batches of "
                                    "--grad-accum): use 96 or 104")
     check_batch_split(96, 2, "processes", grad_accum=4)
-
-
-def test_more_processes_than_gpus(monkeypatch):
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(UserError, match="the launch starts 8 processes on this node but it has 4 GPUs: pass "
-                                        "--num_processes 4"):
-        check_gpus_per_node()
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    check_gpus_per_node()
 
 
 def test_no_disk_space_for_a_checkpoint(tmp_path):

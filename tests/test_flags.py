@@ -17,9 +17,10 @@ from common.cli import Parser
 
 TRAINING = ["train_single", "train_dp", "train_ddp", "train_amp", "train_fsdp"]
 # What each script adds to the shared flags: its strategy's own, and nothing else.
-OWN_FLAGS = {"train_single": set(), "train_dp": {"--loss-in-replicas"}, "train_ddp": {"--sync-bn", "--dist-timeout"},
-             "train_amp": {"--sync-bn", "--dist-timeout", "--mixed-precision"},
-             "train_fsdp": {"--sync-bn", "--dist-timeout"}}  # --sync-bn there: refused, in one line
+DDP_FLAGS = {"--sync-bn", "--dist-timeout", "--share-gpus"}  # common.cli.add_ddp_args
+OWN_FLAGS = {"train_single": set(), "train_dp": {"--loss-in-replicas"}, "train_ddp": DDP_FLAGS,
+             "train_amp": DDP_FLAGS | {"--mixed-precision"},
+             "train_fsdp": DDP_FLAGS}  # --sync-bn there: refused, in one line
 
 
 PARSE = Parser.parse_args
@@ -81,14 +82,14 @@ def test_evaluate_reads_the_data_with_the_training_flags(parsers):
 
 def test_a_flag_that_differs_is_caught(parsers, monkeypatch):
     """The comparison sees a changed default (a negative control for the tests above)."""
-    original = argparse.ArgumentParser.add_argument
+    original = argparse._ActionsContainer.add_argument  # of parsers and their argument groups
 
     def other_default(self, *names, **kwargs):
         if "--dist-timeout" in names:
             kwargs["default"] = 30
         return original(self, *names, **kwargs)
 
-    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", other_default)
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", other_default)
     changed = flags(parser_of("train_amp", monkeypatch))
     assert changed["--dist-timeout"] != parsers["train_ddp"]["--dist-timeout"]
 

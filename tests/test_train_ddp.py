@@ -83,12 +83,15 @@ def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher, re
     out = tmp_path / "run"
     # --compile: Accelerate wraps the DDP model in torch.compile; aot_eager traces it as inductor would.
     compiled = ["--compile", "aot_eager"] if "--compile" in launcher else []
+    # torchrun: with --share-gpus gloo, which asks Accelerate for gloo by name as on a shared GPU
+    # (tests/test_share_gpus.py); the weights must not change with it.
+    shared = ["--share-gpus", "gloo"] if launcher == "torchrun" else []
     if launcher == "accelerate":
         out, done = request.getfixturevalue("ddp_agreement_run")
     else:
         done = _run_frozen(TORCHRUN if launcher == "torchrun" else ACCELERATE, "train_ddp.py", out,
-                           *compiled, env_extra={"TORCH_LOGS": "graph_code"} if compiled else None)
-    assert "on 2 x cpu" in done.stdout and "batch 64 (32 per device)" in done.stdout
+                           *compiled, *shared, env_extra={"TORCH_LOGS": "graph_code"} if compiled else None)
+    assert "on 2 x cpu:0 (gloo)" in done.stdout and "batch 64 (32 per device)" in done.stdout
     assert ("TRACED GRAPH" in done.stderr) == bool(compiled)
     ddp = weights(out)
     assert max_difference(ddp, one_process) < 1e-5
@@ -109,6 +112,8 @@ def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher, re
         assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["per_device_batch_size"] == 32
+    assert (config["backend"], config["processes_per_gpu"], config["gpu_sharing"]) == ("gloo", None, None)
+    assert config["args"]["share_gpus"] == ("gloo" if shared else None)
     # Exact evaluation: 301 test images do not divide by 2 processes x 64, each still counts once.
     assert json.loads((out / "metrics.jsonl").read_text())["test_images"] == 301
 
@@ -341,7 +346,8 @@ def test_the_independent_runs_trap_is_caught(monkeypatch):
 def test_every_accelerate_config_loads(name):
     config = load_config_from_file(str(ROOT / "accelerate_configs" / name))
     gpus = {"1gpu.yaml": 1, "2gpu.yaml": 2, "4gpu.yaml": 4, "8gpu.yaml": 8, "4gpu_fp16.yaml": 4,
-            "4gpu_bf16.yaml": 4, "2nodes_4gpu.yaml": 8, "4gpu_fsdp.yaml": 4}[name]
+            "4gpu_bf16.yaml": 4, "2nodes_4gpu.yaml": 8, "4gpu_fsdp.yaml": 4,
+            "8gpu_rehearsal.yaml": 8}[name]
     assert config.num_processes == gpus
     assert config.mixed_precision == {"4gpu_fp16.yaml": "fp16", "4gpu_bf16.yaml": "bf16"}.get(name, "no")
     kind = "NO" if gpus == 1 else "FSDP" if name == "4gpu_fsdp.yaml" else "MULTI_GPU"

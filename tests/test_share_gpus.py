@@ -1,0 +1,132 @@
+"""--share-gpus: several processes on each GPU, to rehearse a launch for more GPUs than the machine
+has. Without it more processes than GPUs is refused; with it the backend is NCCL where its version
+shares a GPU (2.30 and newer, asked in the environment), else gloo, and the run says which.
+
+These are the decisions, made here with the GPU count and NCCL version a GPU machine would report;
+the 2-process gloo runs with --share-gpus (tests/test_train_ddp.py) and its refusal on a CPU
+(tests/test_bad_input.py) are the same code launched for real. On a GPU: tests/test_gpu.py."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from common import launch
+from common.cli import Parser, add_ddp_args
+from common.errors import UserError
+from common.tracking import start_line
+
+OLD, NEW = (2, 28, 9), (2, 30, 7)  # the GPU machines' torch 2.11; torch 2.14's bundled NCCL
+
+
+def on_node(monkeypatch, processes: int, gpus: int, nccl=OLD, rank: int = 0):
+    """This process as torchrun starts local rank ``rank`` of ``processes`` on a node of ``gpus``."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(launch, "nccl_version", lambda: nccl)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+
+
+REFUSAL = ("the launch starts 8 processes on this node but it has 4 GPUs: pass --num_processes 4 (per node) to "
+           "accelerate launch, or use a config for 4 GPUs (to rehearse this launch here, several processes a GPU: "
+           "add --share-gpus)")
+
+
+def test_more_processes_than_gpus_is_refused_in_one_line_a_node(monkeypatch):
+    on_node(monkeypatch, 8, 4)
+    with pytest.raises(UserError) as error:
+        launch.set_gpu_sharing(None)
+    assert error.value.message == REFUSAL
+    on_node(monkeypatch, 8, 4, rank=5)  # the node's other processes stop too, without a second line
+    with pytest.raises(SystemExit) as quiet:
+        launch.set_gpu_sharing(None)
+    assert not isinstance(quiet.value, UserError) and quiet.value.code == 1
+    on_node(monkeypatch, 4, 4)  # one process per GPU: nothing to share, NCCL as Accelerate picks it
+    assert launch.set_gpu_sharing(None) is None and launch.set_gpu_sharing("auto") is None
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ
+
+
+# (--share-gpus, processes, GPUs, NCCL) -> (processes per GPU, backend)
+CHOICES = [
+    (("auto", 2, 1, NEW), (2, "nccl")), (("auto", 2, 1, (2, 31, 0)), (2, "nccl")),
+    (("auto", 2, 1, OLD), (2, "gloo")), (("auto", 8, 1, None), (8, "gloo")),  # no NCCL in this torch
+    (("gloo", 2, 1, NEW), (2, "gloo")), (("nccl", 8, 4, NEW), (2, "nccl")),
+    (("auto", 3, 2, OLD), (2, "gloo")),  # Accelerate puts rank r on GPU r % 2: 2 on GPU 0, 1 on GPU 1
+    (("auto", 2, 2, OLD), (1, None)), ((None, 1, 1, OLD), (1, None)),  # a GPU each: no change
+    (("auto", 2, 0, None), (0, "gloo")), ((None, 2, 0, None), (0, None)),  # the CPU: gloo either way
+]
+
+
+@pytest.mark.parametrize("given, chosen", CHOICES, ids=[str(given) for given, _ in CHOICES])
+def test_the_backend_is_nccl_where_it_shares_a_gpu_else_gloo(given, chosen):
+    sharing = launch.plan_gpu_sharing(*given)
+    assert (sharing.per_gpu, sharing.backend) == chosen
+
+
+@pytest.mark.parametrize("given, message", [
+    (("nccl", 2, 1, OLD), "--share-gpus nccl: this torch's NCCL (2.28.9) refuses several processes on one GPU; "
+                          "2.30 and newer share it: use --share-gpus gloo"),
+    (("nccl", 2, 1, None), "--share-gpus nccl: this torch's NCCL (none) refuses several processes on one GPU; "
+                           "2.30 and newer share it: use --share-gpus gloo"),
+    (("nccl", 2, 0, None), "--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: use --share-gpus "
+                           "gloo, or drop the flag"),
+])
+def test_nccl_asked_where_it_cannot_share_is_refused(given, message):
+    with pytest.raises(UserError) as error:
+        launch.plan_gpu_sharing(*given)
+    assert error.value.message == message
+
+
+def test_nccl_is_asked_to_share_in_the_environment_unless_the_user_said_otherwise(monkeypatch):
+    on_node(monkeypatch, 2, 1, nccl=NEW)
+    assert launch.set_gpu_sharing("auto") == "nccl" and os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    on_node(monkeypatch, 2, 1, nccl=NEW)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "0")  # the user's own setting stays
+    assert launch.set_gpu_sharing("nccl") == "nccl" and os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "0"
+    on_node(monkeypatch, 2, 1, nccl=OLD)  # gloo: NCCL is not asked for anything
+    assert launch.set_gpu_sharing("auto") == "gloo" and "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ
+
+
+def test_the_flag_alone_means_auto():
+    parser = Parser("")
+    add_ddp_args(parser)
+    assert parser.parse_args(["--share-gpus"]).share_gpus == "auto"
+    assert parser.parse_args(["--share-gpus", "gloo"]).share_gpus == "gloo"
+    assert parser.parse_args([]).share_gpus is None
+
+
+CONFIG = {"args": {"model": "resnet20", "deterministic": False}, "global_batch_size": 64, "per_device_batch_size": 32,
+          "grad_accum": 1, "fp32_precision": "tf32", "train_size": 512, "data": "synthetic", "steps_per_epoch": 8,
+          "total_steps": 8, "lr": 0.1}
+
+
+def test_a_shared_run_says_so_at_the_start_and_in_its_config(monkeypatch, tmp_path):
+    on_node(monkeypatch, 2, 1, nccl=OLD)
+    shared = SimpleNamespace(device=torch.device("cuda", 0), num_processes=2, state=SimpleNamespace(backend="gloo"))
+    record = launch.launch_record(shared)
+    note = ("warning: --share-gpus: 2 processes on 1 GPU(s) of this node, up to 2 a GPU, over gloo, its collectives "
+            "copied through host memory (NCCL 2.28.9 cannot share a GPU: 2.30 can): a rehearsal that proves the "
+            "launch, its collectives, checkpoints and resume; its speed and memory figures say nothing of 2 GPUs")
+    assert record == {"world_size": 2, "device": "cuda:0", "backend": "gloo", "processes_per_gpu": 2,
+                      "gpu_sharing": note}
+    line = start_line("train_ddp", "2 x cuda:0", {**CONFIG, **record}, "device loader", tmp_path)
+    assert line.startswith("train_ddp: resnet20 on 2 x cuda:0 (gloo), batch 64") and line.splitlines()[1].strip() == note
+    on_node(monkeypatch, 2, 1, nccl=NEW)
+    shared.state.backend = "nccl"
+    assert launch.launch_record(shared)["gpu_sharing"].startswith(
+        "warning: --share-gpus: 2 processes on 1 GPU(s) of this node, up to 2 a GPU, over NCCL 2.30.7 "
+        "(NCCL_MULTI_RANK_GPU_ENABLE=1): a rehearsal")
+    on_node(monkeypatch, 2, 2)  # a GPU each: said nowhere, the backend recorded
+    shared.state.backend = "nccl"
+    assert launch.launch_record(shared) == {"world_size": 2, "device": "cuda:0", "backend": "nccl",
+                                            "processes_per_gpu": 1, "gpu_sharing": None}
+
+
+def test_one_process_records_no_backend(tmp_path):
+    record = launch.launch_record(Accelerator(cpu=True))
+    assert record == {"world_size": 1, "device": "cpu", "backend": None, "processes_per_gpu": None,
+                      "gpu_sharing": None}
+    assert "(" not in start_line("train_single", "cpu", {**CONFIG, **record}, "x", tmp_path).split(",")[0]
