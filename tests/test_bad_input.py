@@ -295,6 +295,7 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
            "one of them"),
           ("benchmark", ["--per-device-batch-size", "512", "--loader-images", "100"],
            "--loader-images 100: less than one batch of --per-device-batch-size 512; raise it"),
+          ("gpu_check", ["--budget", "10"], "--budget 10: must be from 60 to 86400 seconds, e.g. 540"),
           ("gpu_check", ["--output-dir", f"{ROOT}/README.md"],
            f"--output-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --output-dir"),
           ("check_gpus", ["--size-mb", "nan"], "--size-mb nan: must be a positive number"),

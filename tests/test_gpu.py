@@ -1,13 +1,17 @@
-"""On GPUs (the `gpu` marker): every training script on every path it has, on 1 GPU and on all visible
-GPUs, compared with what it must agree with. `make gpu-check` (scripts/gpu_check.py) runs them and puts
-the figures each one records into its report; by hand: `pytest -m gpu tests/test_gpu.py [-k NAME]`.
-Without CUDA every `gpu` test is skipped, not failed, and so is each multi-GPU test on fewer than 2 GPUs.
+"""On GPUs (the `gpu` marker): every training script on every path it has, on 1 GPU and on several
+processes, compared with what it must agree with. The multi-process checks run a process per GPU, or,
+on one GPU, 2 processes sharing it (--share-gpus: NCCL 2.30+ or gloo on CUDA tensors), which proves the
+code paths (collectives, sharded checkpoints, per-process RNG, CUDA graphs under DDP), not speed, device
+placement or copies between GPUs. `make gpu-check` (scripts/gpu_check.py) runs them in the order of its
+plan (bench/gpu_plan.py) and puts the figures each one records into its report; by hand:
+`pytest -m gpu tests/test_gpu.py [-k NAME]`. Without CUDA every `gpu` test is skipped, not failed, and
+so is each DataParallel test on fewer than 2 GPUs.
 
 Pass criteria (quoted in the report with each check's figures):
 - learns: 3 epochs of the suite's tiny run (ResNet-20, 1,024 synthetic images) reach test_acc > 0.4
   (chance 0.1; 0.48-0.52 on CPUs; test_acc_ema with --ema-decay) with a finite loss, and evaluate.py on
   the saved weights alone gives the logged accuracy within 1 test image (it picks its own kernels and runs fp32 matmuls without TF32);
-- agreement: N-GPU DDP, DataParallel, FSDP2 and DDP with --sync-bn end 5 steps (lr 0.001, no augmentation,
+- agreement: N-process DDP, FSDP2, DataParallel on N GPUs and DDP with --sync-bn end 5 steps (lr 0.001, no augmentation,
   --no-tf32 --deterministic) within 1e-4 of one GPU, largest absolute weight difference (the CPU suite
   holds 1e-5; GPU kernels' reduction order depends on the batch per GPU), and plain DDP, whose
   BatchNorm sees only its own slice, does not (negative control);
@@ -17,8 +21,15 @@ Pass criteria (quoted in the report with each check's figures):
 - compile: --compile (TorchInductor) trains eager's weights: after 6 steps at lr 0.1 without TF32, each tensor
   within 1% of how far eager moved it from the initial weights (every one moved more than 5e-4), and a copy
   5% further along does not pass (negative control);
+- shards: each FSDP2 process holds its 1/N of the parameter and optimizer bytes (within 10 %), and
+  FSDP2's weights are DDP's within 1e-4;
+- refusal: without --share-gpus, more processes than GPUs stop in one line;
+- profile: --profile writes every process's trace with CUDA kernels in it, and each process reads
+  its GPU's utilisation (0-100 %, not all 0);
+- fine-tuning: timm's ResNet-18 from a weights file at 224 px through DataLoader workers learns
+  (its loss halves, test_acc > 0.5, chance 1/3) and evaluate.py reproduces it;
 - check_gpus.py passes every check.
-The tests at the end need no GPU: gpu_check's one line without CUDA, and its report writer.
+The tests at the end need no GPU: gpu_check's one line without CUDA, its plan, and its report writer.
 """
 
 import importlib.util
@@ -28,13 +39,17 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import DATA, ROOT, TINY, run, weights
+from helpers import DATA, ROOT, TINY, image_folder, run, weights
 
+from bench import gpu_plan, gpu_report
+from common import launch as launch_module
 from common.data.device import on_device, tensor_loader
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
@@ -49,10 +64,15 @@ _spec.loader.exec_module(gpu_check)
 GPUS = torch.cuda.device_count()
 NATIVE_BF16 = HAS_TF32 = GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 0)  # Ampere and newer
 ONE_GPU = {"CUDA_VISIBLE_DEVICES": gpu_check.first_visible_gpu()}
+# The multi-process checks: a process per GPU, or 2 processes sharing the one GPU (--share-gpus: auto,
+# NCCL where its version shares a GPU, else gloo).
+PROCESSES = max(GPUS, 2)
+SHARED = ("--share-gpus",) if GPUS == 1 else ()
 ACCELERATE = (str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", str(GPUS))
+              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", str(PROCESSES))
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
-ALL_BATCH = math.lcm(64, max(GPUS, 1))  # the tiny run's batch, or the next that divides by the GPUs
+PROBE_FSDP = str(ROOT / "tests" / "probe_fsdp.py")
+ALL_BATCH = math.lcm(64, PROCESSES)  # the tiny run's batch, or the next that divides by the processes
 LEARNED, EVAL_IMAGES, AGREE_TOL = 0.4, 1, 1e-4
 COMPILE_TOL = 1e-2  # of how far eager moved each tensor from the initial weights
 # evaluate.py runs the test set in one batch, eager, in strict fp32: other kernels than the run's own evaluation
@@ -60,7 +80,8 @@ COMPILE_TOL = 1e-2  # of how far eager moved each tensor from the initial weight
 # near-ties of a half-trained model. 1 image for fp32 on 1 GPU; 1 % of the test set otherwise.
 EVAL_IMAGES_LOOSE = 3
 CPU_TESTS = {"test_gpu_tests_carry_the_marker", "test_without_cuda_make_gpu_check_says_so_in_one_line",
-             "test_the_report_renders_fabricated_results"}
+             "test_the_report_renders_fabricated_results", "test_the_plan_fits_its_budget_and_names_real_checks",
+             "test_a_check_cut_short_still_leaves_its_report"}
 
 
 def gpu(count: int = 1):
@@ -110,7 +131,7 @@ def max_difference(a, b) -> float:
 # ------------------------------------------------------------------ every script on every path
 
 # name: (script, GPUs: 1 or "all", flags). 1-GPU runs see only the first visible GPU; "all" runs
-# launch one process per GPU (train_dp.py: one process driving them all).
+# launch PROCESSES processes (train_dp.py: one process driving every GPU, 2 or more).
 CASES = {
     "train_single-tf32": ("train_single.py", 1, ("--deterministic",)),
     "train_single-fp32": ("train_single.py", 1, ("--deterministic", "--no-tf32")),
@@ -141,16 +162,22 @@ CASES = {
 
 
 def launcher(script: str, all_gpus: bool) -> tuple[str, ...]:
-    """One process per GPU through accelerate launch; train_dp.py drives every GPU from one."""
+    """PROCESSES processes through accelerate launch; train_dp.py drives every GPU from one."""
     return ACCELERATE if all_gpus and script != "train_dp.py" else (sys.executable,)
+
+
+def shared(script: str, all_gpus: bool) -> tuple[str, ...]:
+    """--share-gpus where the processes outnumber the GPUs (DataParallel needs a GPU a replica)."""
+    return SHARED if all_gpus and script != "train_dp.py" else ()
 
 
 def case(name: str):
     """A CASES entry as a pytest parameter, skipped where this machine cannot run it."""
     script, gpus, flags = CASES[name]
     marks = []
-    if gpus == "all":
-        marks.append(pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible"))
+    if gpus == "all" and script == "train_dp.py":
+        marks.append(pytest.mark.skipif(GPUS < 2, reason=f"DataParallel needs 2 CUDA GPUs (one a replica), "
+                                                         f"{GPUS} visible"))
     if "bf16" in flags:
         marks.append(pytest.mark.skipif(not NATIVE_BF16, reason="no native bf16 (compute capability below 8.0)"))
     return pytest.param(name, marks=marks, id=name)
@@ -161,7 +188,8 @@ def train(name: str, out: Path, *extra):
     split scaled by ALL_BATCH / 64 (the same as 1 GPU's with 2, 4 or 8 GPUs)."""
     script, gpus, flags = CASES[name]
     size = ["--batch-size", 64] if gpus == 1 else ["--batch-size", ALL_BATCH, "--synthetic-train-size", 16 * ALL_BATCH]
-    return run(script, *TINY, *size, "--report-to", "none", *flags, *extra, "--output-dir", out,
+    return run(script, *TINY, *size, "--report-to", "none", *flags, *shared(script, gpus != 1), *extra,
+               "--output-dir", out,
                launcher=launcher(script, gpus != 1), env_extra=ONE_GPU if gpus == 1 else None,
                timeout=1200 if "--compile" in flags else 300)  # N processes compiling on shared cores
 
@@ -197,10 +225,14 @@ def test_every_script_learns_and_evaluate_reproduces_it(trained, record, name):
                      f"{allowed} test images of the logged accuracy",
            test_acc=logged["test_acc"], train_loss=logged["train_loss"], evaluate_correct=correct,
            logged_correct=logged_correct, test_images=total, img_per_s=round(logged["img_per_s"]),
-           world_size=settings["world_size"], **{k: v for k, v in logged.items() if k.startswith("gpu_mem")})
+           world_size=settings["world_size"], backend=settings["backend"],
+           processes_per_gpu=settings["processes_per_gpu"],
+           **{k: v for k, v in logged.items() if k.startswith(("gpu_mem", "gpu_util"))})
     assert math.isfinite(logged["train_loss"]) and logged[accuracy] > LEARNED, logged
     assert total == logged["test_images"] and abs(correct - logged_correct) <= allowed, evaluated.stdout
-    assert settings["world_size"] == (GPUS if gpus == "all" and script != "train_dp.py" else 1)
+    assert settings["world_size"] == (PROCESSES if gpus == "all" and script != "train_dp.py" else 1)
+    if shared(script, gpus == "all"):  # the rehearsal says so, at the start and in config.json
+        assert settings["processes_per_gpu"] == 2 and settings["gpu_sharing"].startswith("warning: --share-gpus")
     assert settings["args"]["deterministic"] == ("--deterministic" in flags)
     assert settings["args"]["tf32"] == ("--no-tf32" not in flags)
     if "--compile" in flags:
@@ -242,19 +274,23 @@ def test_stop_and_resume_is_bit_for_bit(trained, record, tmp_path, name):
     assert ours.keys() == theirs.keys() and not differing, differing[:5]
 
 
-# -------------------------------------------------------------- N GPUs against one, fixed steps
+# ------------------------------------------------------- N processes against one, fixed steps
 
-AGREE_BATCH = 32 * max(GPUS, 1)
+AGREE_BATCH = 32 * PROCESSES
 AGREE = ["--dataset", "synthetic", "--synthetic-train-size", 8 * AGREE_BATCH, "--synthetic-test-size", 301,
          "--model", "resnet20", "--batch-size", AGREE_BATCH, "--reference-batch-size", AGREE_BATCH, "--no-augment",
          "--lr", 0.001, "--epochs", 1, "--max-steps", 5, "--report-to", "none", "--no-tf32", "--deterministic"]
+SHARD_TOL = 0.1  # of each process's 1/N share of the bytes (FSDP2 pads a dimension that does not divide)
 
 
-def agree_run(script: str, out: Path, *extra, frozen: bool, gpus: int):
-    """5 steps of AGREE on ``gpus`` GPUs, BatchNorm frozen (tests/frozen_bn.py) or not."""
-    run(script, *AGREE, *extra, "--output-dir", out,
-        launcher=(*launcher(script, gpus > 1), *([FROZEN_BN] if frozen else [])),
-        env_extra=ONE_GPU if gpus == 1 else None)
+def agree_run(script: str, out: Path, *extra, frozen: bool, many: bool, probe: Path | None = None):
+    """5 steps of AGREE in one process on the first GPU, or (``many``) in PROCESSES processes (train_dp.py:
+    one driving every GPU); BatchNorm frozen (tests/frozen_bn.py) or not; with ``probe``, under
+    tests/probe_fsdp.py, which writes what each process holds to ``probe``.<rank>."""
+    wrappers = [*([FROZEN_BN] if frozen else []), *([PROBE_FSDP] if probe else [])]
+    run(script, *AGREE, *extra, *shared(script, many), "--output-dir", out,
+        launcher=(*launcher(script, many), *wrappers),
+        env_extra={**({} if many else ONE_GPU), **({"PROBE_FILE": str(probe)} if probe else {})})
     return weights(out)
 
 
@@ -266,38 +302,142 @@ def one_gpu(tmp_path_factory):
     def get(frozen: bool):
         if frozen not in done:
             done[frozen] = agree_run("train_single.py", tmp_path_factory.mktemp("one-gpu") / "run", frozen=frozen,
-                                     gpus=1)
+                                     many=False)
         return done[frozen]
     return get
 
 
-@gpu(2)
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_dp.py", "train_fsdp.py"])
-def test_all_gpus_match_one_gpu(one_gpu, record, tmp_path, script):
-    """DDP (one process per GPU), DataParallel (which first checks the copies between GPUs) and FSDP2
-    (sharded weights, gradients reduce-scattered) split the batch and combine the gradients: with
-    BatchNorm frozen nothing else differs from one GPU."""
-    ours = agree_run(script, tmp_path / "run", frozen=True, gpus=GPUS)
+@pytest.fixture(scope="module")
+def agreed(tmp_path_factory):
+    """(weights, run folder) of a script's AGREE run in PROCESSES processes, BatchNorm frozen, made on first
+    use; train_fsdp.py's with its shards recorded (run folder/../shards.<rank>)."""
+    done = {}
+
+    def get(script: str):
+        if script not in done:
+            out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "run"
+            probe = out.parent / "shards" if script == "train_fsdp.py" else None
+            done[script] = agree_run(script, out, frozen=True, many=True, probe=probe), out
+        return done[script]
+    return get
+
+
+@gpu()
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", pytest.param("train_dp.py", marks=pytest.mark.skipif(
+    GPUS < 2, reason=f"DataParallel needs 2 CUDA GPUs (one a replica), {GPUS} visible"))])
+def test_all_gpus_match_one_gpu(one_gpu, agreed, record, script):
+    """DDP (its processes' gradients all-reduced), FSDP2 (sharded weights, gradients reduce-scattered) and
+    DataParallel (which first checks the copies between GPUs) split the batch and combine the gradients: with
+    BatchNorm frozen nothing else differs from one GPU. FSDP2's processes each hold their 1/N of the
+    parameters and of the optimizer's momentum, and end with DDP's weights."""
+    ours, out = agreed(script)
     set_seed(0)
     initial = build_model("resnet20", num_classes=10).state_dict()
     difference, moved = max_difference(ours, one_gpu(True)), max_difference(ours, initial)
-    record(criterion=f"agreement: {GPUS} GPUs end 5 steps within {AGREE_TOL:g} of 1 GPU (largest absolute weight "
-                     f"difference; BatchNorm frozen, no augmentation, no TF32)", gpus=GPUS,
-           max_abs_difference=difference, moved_from_init=moved,
-           **{k: v for k, v in metrics(tmp_path / "run").items() if k.startswith("gpu_mem")})
+    figures = {}
+    if script == "train_fsdp.py":
+        shards = [json.loads(Path(f"{out.parent / 'shards'}.{rank}").read_text()) for rank in range(PROCESSES)]
+        figures = {"param_share": [round(s["param_bytes"] / s["param_full_bytes"], 4) for s in shards],
+                   "optimizer_share": [round(s["optimizer_bytes"] / s["param_full_bytes"], 4) for s in shards],
+                   "param_full_mb": round(shards[0]["param_full_bytes"] / 2**20, 2),
+                   "max_abs_difference_from_ddp": max_difference(ours, agreed("train_ddp.py")[0])}
+    settings = config(out)
+    record(criterion=f"agreement: {PROCESSES} processes end 5 steps within {AGREE_TOL:g} of 1 GPU (largest absolute "
+                     f"weight difference; BatchNorm frozen, no augmentation, no TF32); FSDP2: each process holds "
+                     f"1/{PROCESSES} of the parameter and optimizer bytes within {SHARD_TOL:.0%}, and DDP's weights "
+                     f"within {AGREE_TOL:g}", processes=settings["world_size"], backend=settings["backend"],
+           processes_per_gpu=settings["processes_per_gpu"], max_abs_difference=difference, moved_from_init=moved,
+           **figures, **{k: v for k, v in metrics(out).items() if k.startswith("gpu_mem")})
     assert difference < AGREE_TOL and moved > 1e-3
+    if figures:
+        shares = figures["param_share"] + figures["optimizer_share"]
+        assert all(abs(share * PROCESSES - 1) < SHARD_TOL for share in shares), shares
+        assert figures["max_abs_difference_from_ddp"] < AGREE_TOL
 
 
-@gpu(2)
+@gpu()
 def test_sync_bn_matches_one_gpu_and_plain_ddp_does_not(one_gpu, record, tmp_path):
-    synced = agree_run("train_ddp.py", tmp_path / "sync", "--sync-bn", frozen=False, gpus=GPUS)
-    plain = agree_run("train_ddp.py", tmp_path / "plain", frozen=False, gpus=GPUS)
+    synced = agree_run("train_ddp.py", tmp_path / "sync", "--sync-bn", frozen=False, many=True)
+    plain = agree_run("train_ddp.py", tmp_path / "plain", frozen=False, many=True)
     reference = one_gpu(False)
     with_sync, without = max_difference(synced, reference), max_difference(plain, reference)
-    record(criterion=f"--sync-bn: {GPUS}-GPU DDP with SyncBatchNorm ends 5 steps within {AGREE_TOL:g} of 1 GPU; "
-                     f"without it (BatchNorm per GPU slice) it does not", gpus=GPUS,
-           max_abs_difference_sync_bn=with_sync, max_abs_difference_without=without)
+    record(criterion=f"--sync-bn: {PROCESSES}-process DDP with SyncBatchNorm ends 5 steps within {AGREE_TOL:g} of 1 "
+                     f"GPU; without it (BatchNorm per process's slice) it does not", processes=PROCESSES,
+           backend=config(tmp_path / "sync")["backend"], max_abs_difference_sync_bn=with_sync,
+           max_abs_difference_without=without)
     assert with_sync < AGREE_TOL < without
+
+
+# ------------------------------------------------------------------ the launch, the profiler, fine-tuning
+
+@gpu()
+def test_more_processes_than_gpus_is_refused_without_share_gpus(record, tmp_path):
+    """One process more than there are GPUs, without --share-gpus: one line, nothing written; and where this
+    torch's NCCL cannot share a GPU, --share-gpus nccl is refused the same way."""
+    def refused(*flags):
+        done = run("train_ddp.py", *AGREE, *flags, "--output-dir", tmp_path / "run", check=False, timeout=180,
+                   launcher=(*ACCELERATE[:-1], str(GPUS + 1)))
+        return done.returncode, [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+
+    status, lines = refused()
+    record(criterion="refusal: more processes than GPUs without --share-gpus stop with one line (and "
+                     "--share-gpus nccl where NCCL cannot share a GPU)", exit_status=status, error_lines=lines)
+    assert status != 0 and lines == [
+        f"error: the launch starts {GPUS + 1} processes on this node but it has {GPUS} GPUs: pass --num_processes "
+        f"{GPUS} (per node) to accelerate launch, or use a config for {GPUS} GPUs (to rehearse this launch here, "
+        f"several processes a GPU: add --share-gpus)"]
+    nccl = launch_module.nccl_version()
+    if not launch_module.nccl_shares_gpus(nccl):
+        status, lines = refused("--share-gpus", "nccl")
+        assert status != 0 and len(lines) == 1 and lines[0].startswith("error: --share-gpus nccl: this torch's NCCL")
+    assert not (tmp_path / "run").exists()
+
+
+@gpu()
+def test_profile_traces_cuda_and_utilisation_is_read_per_process(record, tmp_path):
+    out = tmp_path / "run"
+    done = run("train_ddp.py", *TINY, "--batch-size", ALL_BATCH, "--synthetic-train-size", 16 * ALL_BATCH, "--epochs",
+               2, "--profile", "3", "--report-to", "none", *SHARED, "--output-dir", out, launcher=ACCELERATE)
+    traces = [json.loads((out / "profile" / f"trace_rank{rank}.json").read_text()) for rank in range(PROCESSES)]
+    kernels = [sum(event.get("cat") == "kernel" for event in trace.get("traceEvents", [])) for trace in traces]
+    logged = metrics(out)
+    record(criterion="--profile: every process's trace holds CUDA kernels and the table GPU times; each process "
+                     "reads its GPU's utilisation (0-100 %, not all 0)", kernel_events=kernels,
+           gpu_util_pct=logged.get("gpu_util_pct"), gpu_util_absent=logged.get("gpu_util_absent"))
+    assert all(count > 0 for count in kernels) and "self GPU us" in done.stdout
+    utilisation = logged.get("gpu_util_pct")
+    assert utilisation and len(utilisation) == PROCESSES, logged
+    assert all(0 <= value <= 100 for value in utilisation) and max(utilisation) > 0
+
+
+@gpu()
+def test_fine_tunes_a_timm_model_at_224_px_through_the_workers(record, tmp_path):
+    """timm's ResNet-18 from a weights file (made here: no download), its head swapped for 3 classes, at
+    the weights' 224 px, JPEGs of 256 px decoded and augmented in DataLoader workers, under DDP."""
+    import timm
+    from safetensors.torch import save_file
+
+    data = image_folder(tmp_path / "data", train=96, val=48, classes=3, sizes=((256, 256),))
+    torch.manual_seed(1)
+    save_file(timm.create_model("resnet18", num_classes=1000).state_dict(), tmp_path / "imagenet.safetensors")
+    batch, out = math.lcm(32, PROCESSES), tmp_path / "run"
+    run("train_ddp.py", "--data-dir", data, "--model", "timm:resnet18", "--pretrained-path",
+        tmp_path / "imagenet.safetensors", "--loader", "workers", "--optimizer", "adamw", "--batch-size", batch,
+        "--reference-batch-size", batch, "--epochs", 4, "--report-to", "none", *SHARED, "--output-dir", out,
+        launcher=ACCELERATE, env_extra={"HF_HUB_OFFLINE": "1"}, timeout=600)
+    settings, history = config(out), [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = run("evaluate.py", "--weights", out / "model.safetensors", "--data-dir", data, env_extra=ONE_GPU)
+    found = re.match(r"test_acc=\S+ \((\d+)/(\d+)\)", evaluated.stdout)
+    assert found, evaluated.stdout
+    logged_correct = round(history[-1]["test_acc"] * history[-1]["test_images"])
+    record(criterion=f"fine-tuning at 224 px through workers: the loss halves, test_acc > 0.5 (chance 1/3), "
+                     f"evaluate.py within {EVAL_IMAGES_LOOSE} images", image_size=settings["image_size"],
+           loader=settings["loader"], train_loss=[round(h["train_loss"], 4) for h in history],
+           test_acc=history[-1]["test_acc"], evaluate_correct=int(found.group(1)), logged_correct=logged_correct,
+           img_per_s=round(history[-1]["img_per_s"]), data_wait_frac=history[-1]["data_wait_frac"])
+    assert settings["image_size"] == [224, 224] and settings["loader"] == "workers"
+    assert history[-1]["train_loss"] < history[0]["train_loss"] / 2 and history[-1]["test_acc"] > 0.5, history
+    assert abs(int(found.group(1)) - logged_correct) <= EVAL_IMAGES_LOOSE, evaluated.stdout
 
 
 def relative_differences(ours, reference, initial) -> dict:
@@ -416,19 +556,17 @@ def test_without_cuda_make_gpu_check_says_so_in_one_line(tmp_path):
 
 
 def test_the_report_renders_fabricated_results(tmp_path):
-    # The checks: pytest's junit XML and the figures the tests recorded.
-    (tmp_path / "junit.xml").write_text(
-        '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.test_gpu" name="test_check_gpus_passes" time="9.5"/>'
-        '<testcase classname="tests.test_gpu" name="test_sync_bn_matches_one_gpu_and_plain_ddp_does_not" time="1">'
-        '<skipped type="pytest.skip" message="needs 2 CUDA GPUs, 1 visible"/></testcase>'
-        '<testcase classname="tests.test_gpu" name="test_compile_trains_the_eager_weights" time="80.2">'
-        '<failure message="AssertionError: assert 0.01 &lt; 0.001&#10;more">trace</failure></testcase>'
-        '</testsuite></testsuites>')
+    # The checks: each one's outcome as bench/gpu_pytest.py writes it, and the figures the tests recorded.
+    outcomes = [{"name": "test_check_gpus_passes", "status": "passed", "message": "", "seconds": 9.5},
+                {"name": "test_sync_bn_matches_one_gpu_and_plain_ddp_does_not", "status": "skipped",
+                 "message": "needs 2 CUDA GPUs, 1 visible", "seconds": 1.0},
+                {"name": "test_compile_trains_the_eager_weights", "status": "failed",
+                 "message": "AssertionError: assert 0.01 < 0.001", "seconds": 80.2}]
+    (tmp_path / "outcomes.jsonl").write_text("".join(json.dumps({**o, "ended": 1.0}) + "\n" for o in outcomes))
     (tmp_path / "figures.jsonl").write_text(
         json.dumps({"test": "test_compile_trains_the_eager_weights", "criterion": "within 1e-3",
                     "max_abs_difference": 0.01}) + "\n")
-    checks = gpu_check.read_checks(tmp_path / "junit.xml", tmp_path / "figures.jsonl")
+    checks = gpu_check.read_checks(tmp_path / "outcomes.jsonl", tmp_path / "figures.jsonl")
     assert [(c["status"], c["message"]) for c in checks] == [
         ("passed", ""), ("skipped", "needs 2 CUDA GPUs, 1 visible"), ("failed", "AssertionError: assert 0.01 < 0.001")]
     assert checks[2]["figures"] == {"criterion": "within 1e-3", "max_abs_difference": 0.01}
@@ -461,14 +599,14 @@ def test_the_report_renders_fabricated_results(tmp_path):
                  "img_per_s": 2_000.0, "epoch_50k_s": 25.0, "peak_memory_gb": 20.1, "error": None},
                 {"model": "torchvision:resnet50", "image_size": 224, "precision": "bf16", "batch": 128,
                  "img_per_s": None, "epoch_50k_s": None, "peak_memory_gb": None, "error": "out of GPU memory"}]
-    report = gpu_check.build_report(machine, checks, benchmark, resnet50, "2026-01-01 12:00", 600.0,
+    report = gpu_report.build_report(machine, checks, benchmark, resnet50, "2026-01-01 12:00", 600.0,
                                     "scripts/gpu_check.py")
     assert report["passed"] is False and report["slug"] == "nvidia-h100-80gb-hbm3"  # a check failed
     # 0.98x; 2 % wait; 1.67 s on an H100 without CUDA graphs (the graphs row is not the epoch target's), 0.8 s with
     assert [t["met"] for t in report["targets"]] == [True, False, True, False]
     assert report["targets"][3]["measured"] == "0.80 s (bf16-graphs label, batch 128)"
     assert report["targets"][1]["measured"] == "at most 2.00 % (bf16 label, batch 128)"
-    gpu_check.write_report(tmp_path, report)
+    gpu_report.write_report(tmp_path, report)
     assert json.loads((tmp_path / "gpu-check.json").read_text()) == report
     text = (tmp_path / "gpu-check.md").read_text()
     assert text.startswith(
@@ -481,13 +619,126 @@ def test_the_report_renders_fabricated_results(tmp_path):
     assert "Peak memory, as benchmark.py measured it: GPU, nvidia-smi (nvidia-smi: " in text
     assert "keep this report as docs/gpu/nvidia-h100-80gb-hbm3.md" in text.lower()
     # On another GPU the H100 target is reported, not judged; a row that failed fails the report.
-    other = gpu_check.evaluate_targets(rows, ["NVIDIA A100-SXM4-80GB"])
+    other = gpu_report.evaluate_targets(rows, ["NVIDIA A100-SXM4-80GB"])
     assert other[2]["met"] is None and other[2]["measured"].endswith("this is NVIDIA A100-SXM4-80GB")
     broken = [{**benchmark[0], "rows": [{**rows[0], "error": "exit status 1: CUDA error"}]}]
-    failed = gpu_check.build_report(machine, checks[:2], broken, [], "", 1.0, "")
+    failed = gpu_report.build_report(machine, checks[:2], broken, [], "", 1.0, "")
     assert failed["passed"] is False
     assert "| `single`: single label | fp32 | 1 | 128 | failed: exit status 1: CUDA error |" in \
-        gpu_check.render_markdown(failed)
-    for markdown in (text, gpu_check.render_markdown(failed)):
+        gpu_report.render_markdown(failed)
+    for markdown in (text, gpu_report.render_markdown(failed)):
         assert all(len(widths) == 1 for widths in table_widths(markdown)), markdown  # rows as wide as the header
-    assert gpu_check.build_report(machine, checks[:2], benchmark, [], "", 1.0, "")["passed"] is True
+    assert gpu_report.build_report(machine, checks[:2], benchmark, [], "", 1.0, "")["passed"] is True
+
+    # The plan: each row's estimate and what became of it; a row the time ran out on makes it INCOMPLETE.
+    plan = [{"name": "test_check_gpus_passes", "kind": "check", "proves": "check_gpus.py | passes",
+             "estimate_s": 9, "status": "passed", "message": "", "seconds": 9.5},
+            {"name": "benchmark-b512", "kind": "benchmark", "proves": "the epoch", "estimate_s": 85,
+             "status": "cut", "message": "stopped: the check's time ran out", "seconds": None}]
+    cut = gpu_report.build_report(machine, checks[:2], benchmark, [], "", 1.0, "", plan)
+    assert cut["passed"] is True and cut["unfinished"] == ["benchmark-b512"]
+    markdown = gpu_report.render_markdown(cut)
+    assert "INCOMPLETE (1 planned rows did not finish). Checks: 1 passed" in markdown
+    assert "| `test_check_gpus_passes` | check_gpus.py \\| passes | 9 s | 10 s | passed |" in markdown
+    assert "| `benchmark-b512` | the epoch | 85 s | - | cut: stopped: the check's time ran out |" in markdown
+    assert "Limits: Several processes on one GPU (--share-gpus) prove" in markdown
+    assert all(len(widths) == 1 for widths in table_widths(markdown)), markdown
+
+
+# What the issue of the one-GPU check asks to prove first, each a row that the default plan runs.
+FIRST_ROWS = ["test_all_gpus_match_one_gpu[train_ddp.py]", "test_all_gpus_match_one_gpu[train_fsdp.py]",
+              "test_more_processes_than_gpus_is_refused_without_share_gpus",
+              "test_stop_and_resume_is_bit_for_bit[train_fsdp-all-ema]",
+              "test_sync_bn_matches_one_gpu_and_plain_ddp_does_not",
+              "test_every_script_learns_and_evaluate_reproduces_it[train_amp-all-bf16-sync-bn]",
+              "test_every_script_learns_and_evaluate_reproduces_it[train_amp-all-fp16-sync-bn]",
+              "test_profile_traces_cuda_and_utilisation_is_read_per_process",
+              "test_fine_tunes_a_timm_model_at_224_px_through_the_workers",
+              "test_every_script_learns_and_evaluate_reproduces_it[train_ddp-all-cuda-graphs]",
+              "benchmark-b128", "benchmark-b512"]
+
+
+def test_the_plan_fits_its_budget_and_names_real_checks(tmp_path):
+    """`make gpu-check ARGS=--dry-run` on this CPU: the plan for one GPU, the multi-process rows first, every
+    row it runs ending within the 9-minute budget by its estimate; nothing written. Every check it names is a
+    test of this file (collected by pytest), every benchmark row's flags parse."""
+    venv, before = Path(sys.prefix), sorted((ROOT / "runs").glob("gpu-check-*"))
+    done = subprocess.run(["make", "-C", str(ROOT), "-o", f"{venv}/bin/.installed", f"VENV={venv}", "gpu-check",
+                           "ARGS=--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("make")]  # -C: its own lines
+    assert lines[0].startswith("gpu-check plan for 1 GPU(s), budget 540 s (2 processes share the GPU")
+    rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\S+)\s+(\S+): ", line) for line in lines]
+    rows = [(int(m.group(2)), m.group(3), m.group(4)) for m in rows if m]
+    runs = [name for _, ends, name in rows if ends != "-"]
+    assert runs == FIRST_ROWS  # in this order, and nothing else fits
+    assert int(next(ends for _, ends, name in rows if name == runs[-1])) <= 540
+    assert re.search(r"^12 of \d+ rows run, ending at about (\d+) s of the 540 s budget\.$", lines[-1])
+    assert {name for _, ends, name in rows if ends == "-"} == {r.name for r in gpu_plan.PLAN} - set(runs)
+    assert not list(tmp_path.iterdir()) and sorted((ROOT / "runs").glob("gpu-check-*")) == before
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                gpu_plan.CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    tests = {line.split("::", 1)[1] for line in collected.stdout.splitlines() if "::" in line}
+    assert {r.name for r in gpu_plan.PLAN if r.kind == "check"} <= tests
+    benchmark = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(benchmark)
+    benchmark.loader.exec_module(module)
+    for row in (r for r in gpu_plan.PLAN if r.kind == "benchmark"):
+        module.parse_args([*row.bench, "--output-dir", str(tmp_path / "x")])
+    # A budget that holds less runs fewer rows, from the top; too few GPUs or no bf16 are reasons too.
+    short = gpu_plan.plan(gpu_plan.PLAN, 200, 1, True)
+    assert [p.row.name for p in short if p.why_not is None] == FIRST_ROWS[:5]
+    assert [p.why_not for p in gpu_plan.plan(gpu_plan.PLAN, 540, 1, False)][5] == \
+        "needs native bf16 (compute capability 8.0 and newer)"
+
+
+CUT_SHORT = """import time
+import pytest
+
+@pytest.mark.gpu
+def test_fast():
+    pass
+
+@pytest.mark.gpu
+def test_too_long_for_the_time_left():
+    pass
+
+@pytest.mark.gpu
+def test_slow():
+    time.sleep(120)
+"""
+
+
+def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):
+    """gpu_check's run of three checks (bench/gpu_pytest.py in a real pytest) with 12 s left: the fast one
+    passes and the report says so while the next still runs; the one whose estimate (100 s) no longer fits is
+    not started; the slow one is stopped at the deadline and its row says so."""
+    (tmp_path / "test_cut.py").write_text(CUT_SHORT)
+    monkeypatch.setattr(gpu_plan, "CHECKS", str(tmp_path / "test_cut.py"))
+    rows = [gpu_plan.Row("test_fast", "passes", 1), gpu_plan.Row("test_too_long_for_the_time_left", "-", 100),
+            gpu_plan.Row("test_slow", "-", 1)]
+    machine = {"gpus": [], "driver": "-", "cudnn": "-", "nccl": "-", "cuda": "-", "cpu": "-", "cpu_cores": 2,
+               "platform": "-", "cuda_visible_devices": "-", "versions": {"torch": "-", "accelerate": "-",
+                                                                          "python": "-"}}
+    progress = gpu_check.Progress(tmp_path, gpu_plan.plan(rows, 10**6, 1, True), machine, "test")
+    deadline = time.time() + 12
+    runner = threading.Thread(target=gpu_check.run_checks, args=(progress, [r.name for r in rows], deadline))
+    runner.start()
+    seen_while_running = None
+    while runner.is_alive():
+        if (tmp_path / "gpu-check.json").exists():
+            plan = {r["name"]: r["status"] for r in json.loads((tmp_path / "gpu-check.json").read_text())["plan"]}
+            if plan["test_fast"] == "passed" and seen_while_running is None:
+                seen_while_running = plan
+        time.sleep(0.2)
+    runner.join()
+    assert time.time() < deadline + 20  # stopped at the deadline, not after the slow test's 120 s
+    assert seen_while_running == {"test_fast": "passed", "test_too_long_for_the_time_left": "not run",
+                                  "test_slow": "running"}
+    report = progress.write()
+    assert [r["status"] for r in report["plan"]] == ["passed", "not run", "cut"]
+    assert re.fullmatch(r"not run: out of time \(100 s estimated, \d+ s left\)", report["plan"][1]["message"])
+    assert report["plan"][2]["message"] == "stopped: the check's time ran out"
+    assert report["unfinished"] == ["test_slow"]
+    assert gpu_report.render_markdown(report).split("\n")[2].startswith("INCOMPLETE (1 planned rows did not finish)")
