@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # value of a flag wins, e.g. make demo ARGS="--epochs 2 --model resnet32".
 ARGS ?=
 
-.PHONY: demo test ddp bench gpu-check diffs clean
+.PHONY: demo test ddp bench gpu-check gpu-wheels diffs clean
 
 $(BIN)/.installed: requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,11 +40,21 @@ ddp: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python scripts/benchmark.py --output-dir runs/benchmark-$(shell date +%Y%m%d-%H%M%S) $(ARGS)
 
-# Prove a GPU machine and the scripts on it: every script on every path, what must agree, the
-# benchmark's GPU rows; the report goes to a new runs/gpu-check-<time> (docs/gpu/README.md). Not echoed:
+# Prove a GPU machine and the scripts on it in 9 minutes, in order of value (ARGS=--dry-run: the
+# plan); the report goes to a new runs/gpu-check-<time> (docs/gpu/README.md). Not echoed:
 # without a GPU its whole answer is one line (and make's own "Error 1").
 gpu-check: $(BIN)/.installed
 	@$(BIN)/python scripts/gpu_check.py $(ARGS)
+
+# The wheels a GPU machine without network lacks (docs/gpu/README.md: the lent machines' image, its
+# Python 3.12 on x86-64), downloaded here into .whl/ to be carried there and installed with
+# pip install --no-index --no-deps. MLflow too: WHEELS="docs/gpu/wheels.txt docs/gpu/wheels-mlflow.txt".
+WHEELS ?= docs/gpu/wheels.txt
+gpu-wheels: $(BIN)/.installed
+	mkdir -p .whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(foreach f,$(WHEELS),-r $(f))
 
 # The suite starts hundreds of Python processes: the project's modules compiled once beforehand
 # (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process). Two

@@ -109,10 +109,13 @@ def local_processes() -> int:
 
 
 def set_gpu_sharing(share: str | None) -> str | None:
-    """One process per GPU, or with --share-gpus ``share`` several, asked of NCCL in this process's
-    environment (NCCL_MULTI_RANK_GPU_ENABLE=1, unless set) where it shares them: the backend for
-    Accelerate (None: its default). A launch with more processes than GPUs and no --share-gpus is
-    refused, in one line from each node's first process (the others exit quietly)."""
+    """One process per GPU, or with --share-gpus ``share`` several, set up in this process's
+    environment: the backend for Accelerate (None: its default). A launch with more processes than
+    GPUs and no --share-gpus is refused, in one line from each node's first process (the others
+    exit quietly). Shared GPUs need two variables: Accelerate hands DDP device_ids=[local rank]
+    (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs; with
+    ACCELERATE_BYPASS_DEVICE_MAP=true it passes none and DDP uses the device the model is on (its
+    own GPU, local rank % GPUs). NCCL shares a GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version())
@@ -120,7 +123,9 @@ def set_gpu_sharing(share: str | None) -> str | None:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             raise
         raise SystemExit(1) from None  # the same refusal, said once a node
-    if sharing.backend == "nccl":  # read by NCCL when the first collective makes its communicator
+    if sharing.per_gpu > 1:
+        os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"  # read by prepare(): no device_ids
+    if sharing.backend == "nccl" and sharing.per_gpu > 1:  # read when NCCL makes its communicator
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     return sharing.backend
 

@@ -81,7 +81,7 @@ COMPILE_TOL = 1e-2  # of how far eager moved each tensor from the initial weight
 EVAL_IMAGES_LOOSE = 3
 CPU_TESTS = {"test_gpu_tests_carry_the_marker", "test_without_cuda_make_gpu_check_says_so_in_one_line",
              "test_the_report_renders_fabricated_results", "test_the_plan_fits_its_budget_and_names_real_checks",
-             "test_a_check_cut_short_still_leaves_its_report"}
+             "test_a_check_cut_short_still_leaves_its_report", "test_the_gpu_wheels_are_pinned_once"}
 
 
 def gpu(count: int = 1):
@@ -742,3 +742,21 @@ def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):
     assert report["plan"][2]["message"] == "stopped: the check's time ran out"
     assert report["unfinished"] == ["test_slow"]
     assert gpu_report.render_markdown(report).split("\n")[2].startswith("INCOMPLETE (1 planned rows did not finish)")
+
+
+def test_the_gpu_wheels_are_pinned_once():
+    """docs/gpu/wheels*.txt: each wheel the lent machines' image lacks pinned once, datasets and wandb in the
+    first list, MLflow in the second; `make gpu-wheels` fetches them for that image's Python (3.12)."""
+    lists = {name: [line for line in (ROOT / "docs" / "gpu" / name).read_text().splitlines()
+                    if line.strip() and not line.startswith("#")] for name in ("wheels.txt", "wheels-mlflow.txt")}
+    names = {name: [re.fullmatch(r"([a-z0-9][a-z0-9._-]*)==[0-9][\w.]*", pin).group(1) for pin in pins]
+             for name, pins in lists.items()}
+    every = names["wheels.txt"] + names["wheels-mlflow.txt"]
+    assert len(every) == len(set(every)) == 61
+    assert {"datasets", "wandb"} <= set(names["wheels.txt"]) and "mlflow" in names["wheels-mlflow.txt"]
+    venv = Path(sys.prefix)
+    dry = subprocess.run(["make", "-n", "-C", str(ROOT), "-o", f"{venv}/bin/.installed", f"VENV={venv}",
+                          "gpu-wheels", "WHEELS=docs/gpu/wheels.txt docs/gpu/wheels-mlflow.txt"],
+                         capture_output=True, text=True, timeout=60)
+    assert "--python-version 3.12" in dry.stdout and "-d .whl" in dry.stdout
+    assert "-r docs/gpu/wheels.txt -r docs/gpu/wheels-mlflow.txt" in dry.stdout

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from common import launch
 from common.cli import Parser, add_ddp_args
@@ -28,6 +29,7 @@ def on_node(monkeypatch, processes: int, gpus: int, nccl=OLD, rank: int = 0):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    monkeypatch.delenv("ACCELERATE_BYPASS_DEVICE_MAP", raising=False)
 
 
 REFUSAL = ("the launch starts 8 processes on this node but it has 4 GPUs: pass --num_processes 4 (per node) to "
@@ -46,7 +48,7 @@ def test_more_processes_than_gpus_is_refused_in_one_line_a_node(monkeypatch):
     assert not isinstance(quiet.value, UserError) and quiet.value.code == 1
     on_node(monkeypatch, 4, 4)  # one process per GPU: nothing to share, NCCL as Accelerate picks it
     assert launch.set_gpu_sharing(None) is None and launch.set_gpu_sharing("auto") is None
-    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ and "ACCELERATE_BYPASS_DEVICE_MAP" not in os.environ
 
 
 # (--share-gpus, processes, GPUs, NCCL) -> (processes per GPU, backend)
@@ -88,6 +90,35 @@ def test_nccl_is_asked_to_share_in_the_environment_unless_the_user_said_otherwis
     assert launch.set_gpu_sharing("nccl") == "nccl" and os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "0"
     on_node(monkeypatch, 2, 1, nccl=OLD)  # gloo: NCCL is not asked for anything
     assert launch.set_gpu_sharing("auto") == "gloo" and "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ
+
+
+def test_shared_gpus_give_ddp_no_device_ids(monkeypatch):
+    """Accelerate gives DDP device_ids=[local rank]: rank 1 of 2 on one GPU would ask for cuda:1, which
+    does not exist. Sharing makes prepare() pass none, so DDP uses the device the model is on. Here
+    on gloo CPU processes' terms: a 1-process Accelerator, its DDP wrap read after prepare()."""
+    on_node(monkeypatch, 2, 1, nccl=OLD)
+    launch.set_gpu_sharing("auto")
+    assert os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] == "true"
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK"):  # the Accelerator below is one process alone
+        monkeypatch.delenv(name)
+    seen = {}
+
+    class Recorded(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+            seen.update(device_ids=device_ids, output_device=output_device)
+            raise RuntimeError("recorded")  # no process group here: the arguments are what is checked
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", Recorded)
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.setattr(type(accelerator), "multi_device", property(lambda self: True))
+    with pytest.raises(RuntimeError, match="recorded"):
+        accelerator.prepare_model(torch.nn.Linear(2, 2))
+    assert seen == {"device_ids": None, "output_device": None}
+    monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", "false")  # unshared: Accelerate's own choice
+    with pytest.raises(RuntimeError, match="recorded"):
+        accelerator.prepare_model(torch.nn.Linear(2, 2))
+    assert seen == {"device_ids": [0], "output_device": 0}
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_the_flag_alone_means_auto():
