@@ -1,8 +1,9 @@
 """The run folder: which one a run writes, and which checkpoint it continues from.
 
-A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted or SLURM
-requeued continues from the newest complete checkpoint of its folder by itself. The main process
-decides, holding the folder's lock (common/run_lock.py), and the other processes learn its decision.
+A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted, SLURM
+requeued or Kubernetes started again (TRAINING_JOB_ID) continues from the newest complete checkpoint
+of its folder by itself. The main process decides, holding the folder's lock (common/run_lock.py),
+and the other processes learn its decision.
 What a run has recorded is never replaced by a resume: an older checkpoint of a run that went on
 from it continues only in a new folder, and a run whose checkpoints are gone is not started again.
 """
@@ -26,7 +27,14 @@ from common.checkpoints import (
 )
 from common.errors import UserError
 from common.failures import fail_together
-from common.run_lock import LOCK_FILE, RunLock, lock_run_folder, read_job, this_job
+from common.run_lock import (
+    LOCK_FILE,
+    RunLock,
+    lock_run_folder,
+    named_by_scheduler,
+    read_job,
+    this_job,
+)
 from common.weights import read_metadata
 
 
@@ -47,14 +55,17 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
 
     ``resume`` is None, "latest" (the newest complete checkpoint of ``output_dir``) or a checkpoint
     folder, whose run folder is then the default ``output_dir``. A worker restarted by torchrun
-    (``accelerate launch --max_restarts N``) and a SLURM job requeued (``sbatch --requeue``; SLURM
-    sets SLURM_RESTART_COUNT) continue from the newest checkpoint of ``output_dir`` by themselves.
+    (``accelerate launch --max_restarts N``), a SLURM job requeued (``sbatch --requeue``; SLURM
+    sets SLURM_RESTART_COUNT) and a job its scheduler names (TRAINING_JOB_ID: a Kubernetes JobSet
+    restarted, a TrainJob resumed by Kueue) continue from the newest checkpoint of ``output_dir`` by
+    themselves.
     The main process takes the folder's lock for the job (``lock_run_folder``), checks the folder
     and the checkpoints and decides; the other processes learn its decision, so all of them go on,
     or all stop with the same line.
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
-        or (output_dir is not None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0)
+        or (output_dir is not None and (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+                                        or named_by_scheduler()))
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
             and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:

@@ -23,6 +23,11 @@ from common.files import atomic_write
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
 # The launched job that took the folder last (this_job): its restarted workers continue there
 JOB_FILE = ".job"
+# The job's id from its scheduler, when the scheduler starts the whole job again with new processes
+# on new hosts and counts nothing (a Kubernetes JobSet restart, Kueue's resume): the same for every
+# start of one job, different for every other job. accelerate_configs/kubernetes/ sets it to the
+# JobSet's uid through the downward API.
+JOB_ID_VARIABLE = "TRAINING_JOB_ID"
 # config.json of a run started again from step 0, until replaced
 _SET_ASIDE = ".config.json.before-restart"
 
@@ -63,14 +68,23 @@ def lock_run_folder(folder: Path) -> "RunLock":
 
 
 def this_job() -> str | None:
-    """What stays the same when a job starts again by itself: the SLURM job id (requeued, perhaps on
-    another host), or the torchrun agent that restarts its workers; None for a plain process."""
+    """What stays the same when a job starts again by itself: the id its scheduler gives it
+    (JOB_ID_VARIABLE), the SLURM job id (requeued, perhaps on another host), or the torchrun agent
+    that restarts its workers; None for a plain process."""
+    if os.environ.get(JOB_ID_VARIABLE):
+        return f"job {os.environ[JOB_ID_VARIABLE]}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm job {os.environ['SLURM_JOB_ID']}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return (f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, "
                 f"agent pid {os.getppid()}")
     return None
+
+
+def named_by_scheduler() -> bool:
+    """Whether the scheduler names this job (JOB_ID_VARIABLE). Such a job has no restart count, so
+    every start of it may be a restart: one that finds its own id in the folder continues there."""
+    return bool(os.environ.get(JOB_ID_VARIABLE))
 
 
 def read_job(folder: Path) -> str | None:

@@ -16,8 +16,8 @@ from helpers import TINY, run  # noqa: E402
 # launch's and torchrun's default port (29500), where a second job at the same time finds it taken
 # (accelerate then moves to another port, with a warning). They run one at a time, on one worker. A
 # new test that launches several processes belongs here.
-LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_gpu", "test_make_restart", "test_train_ddp",
-                   "test_train_fsdp"}
+LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_gpu", "test_kubernetes", "test_make_restart",
+                   "test_train_ddp", "test_train_fsdp"}
 LAUNCHING_TESTS = {
     "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
     "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
