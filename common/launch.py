@@ -115,7 +115,7 @@ def set_gpu_sharing(share: str | None) -> str | None:
     exit quietly). Shared GPUs need two variables: Accelerate hands DDP device_ids=[local rank]
     (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs; with
     ACCELERATE_BYPASS_DEVICE_MAP=true it passes none and DDP uses the device the model is on (its
-    own GPU, local rank % GPUs). NCCL shares a GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
+    own GPU, local rank % GPUs). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version())

@@ -178,12 +178,7 @@ def run_checks(progress: Progress, names: list[str], deadline: float) -> None:
     seen = -1
     while process.poll() is None:
         if time.time() > deadline:  # the check in progress is stopped; its row says so
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop(process)
             break
         time.sleep(POLL_S)
         if outcomes.exists() and outcomes.stat().st_size != seen:
@@ -198,6 +193,17 @@ def run_checks(progress: Progress, names: list[str], deadline: float) -> None:
                                              if time.time() > deadline else
                                              ("error", f"pytest exited with {process.returncode} "
                                                        f"before this check ended"))
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End ``process`` and what it started (its own session: the training processes of a launch
+    too), SIGTERM first: the scripts save and exit within seconds; SIGKILL after 15 s."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _update_checks(progress: Progress, outcomes: Path, figures: Path, names: list[str]) -> None:
@@ -222,11 +228,11 @@ def run_benchmark(progress: Progress, name: str, flags: tuple[str, ...], all_gpu
     print(f"gpu-check: {name}: {shlex.join(command)}", flush=True)
     row, began = progress.row(name), time.perf_counter()
     row["status"] = "running"
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, check=False,
-                              timeout=max(deadline - time.time(), 1))
-        returncode = done.returncode
+        returncode = process.wait(timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
+        stop(process)
         returncode = None
     report = (json.loads((out / "benchmark.json").read_text())
               if (out / "benchmark.json").exists() else {})

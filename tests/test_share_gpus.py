@@ -28,8 +28,9 @@ def on_node(monkeypatch, processes: int, gpus: int, nccl=OLD, rank: int = 0):
     monkeypatch.setattr(launch, "nccl_version", lambda: nccl)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
-    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
-    monkeypatch.delenv("ACCELERATE_BYPASS_DEVICE_MAP", raising=False)
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "ACCELERATE_BYPASS_DEVICE_MAP"):  # what set_gpu_sharing sets
+        monkeypatch.setenv(name, "")  # so that monkeypatch removes it again after the test
+        monkeypatch.delenv(name)
 
 
 REFUSAL = ("the launch starts 8 processes on this node but it has 4 GPUs: pass --num_processes 4 (per node) to "

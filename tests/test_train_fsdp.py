@@ -79,7 +79,7 @@ def test_fsdp_trains_the_weights_of_ddp(runs, tmp_path):
     an algorithm that differs. Measured: 0.0 after 6 steps, for the live weights (the checkpoints)
     and for their average (model.safetensors: FSDP2 averages each process's slices)."""
     out, done = runs["fsdp"]
-    assert "train_fsdp: resnet20 on 2 x cpu" in done.stdout and ", sharded, batch 32 (16 per device)" in done.stdout
+    assert "train_fsdp: resnet20 on 2 x cpu" in done.stdout and ", sharded (gloo), batch 32 (16 per device)" in done.stdout
     ddp_out = runs["ddp"][0]
     live = sharded_checkpoint_weights(out / "checkpoints" / "step_00000006", tmp_path)
     ddp_live = weights(ddp_out / "checkpoints" / "step_00000006")
