@@ -28,11 +28,12 @@ from common.checkpoints import (
 from common.errors import UserError
 from common.failures import fail_together
 from common.run_lock import (
+    JOB_ID_VARIABLE,
     LOCK_FILE,
     RunLock,
     lock_run_folder,
-    named_by_scheduler,
     read_job,
+    started_again_by_scheduler,
     this_job,
 )
 from common.weights import read_metadata
@@ -65,13 +66,14 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
         or (output_dir is not None and (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
-                                        or named_by_scheduler()))
+                                        or started_again_by_scheduler(Path(output_dir))))
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        fail_together(accelerator, "a restartable launch (--max_restarts) needs --output-dir, so "
-                      "that a restarted worker finds the run's checkpoints: add --output-dir "
-                      "runs/NAME")
+            and (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+                 or os.environ.get(JOB_ID_VARIABLE)):
+        fail_together(accelerator, f"a restartable launch (--max_restarts, {JOB_ID_VARIABLE}) "
+                      f"needs --output-dir, so that a restarted worker finds the run's "
+                      f"checkpoints: add --output-dir runs/NAME")
     if resume == "latest" and output_dir is None:
         fail_together(accelerator, "--resume needs --output-dir (the folder of the run to "
                       "continue) or a checkpoint: --resume runs/NAME/checkpoints/step_NNNNNNNN")

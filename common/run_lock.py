@@ -81,10 +81,10 @@ def this_job() -> str | None:
     return None
 
 
-def named_by_scheduler() -> bool:
-    """Whether the scheduler names this job (JOB_ID_VARIABLE). Such a job has no restart count, so
-    every start of it may be a restart: one that finds its own id in the folder continues there."""
-    return bool(os.environ.get(JOB_ID_VARIABLE))
+def started_again_by_scheduler(folder: Path) -> bool:
+    """Whether this job, named by its scheduler (JOB_ID_VARIABLE), starts again in ``folder``, which
+    it took before: such a scheduler counts no restarts, so the folder's JOB_FILE is the record."""
+    return bool(os.environ.get(JOB_ID_VARIABLE)) and read_job(folder) == this_job()
 
 
 def read_job(folder: Path) -> str | None:

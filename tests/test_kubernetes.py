@@ -43,6 +43,8 @@ KUBE = ROOT / "accelerate_configs" / "kubernetes"
 BIN = Path(sys.executable).parent
 MODELS = {"TrainJob": models.TrainerV1alpha1TrainJob, "TrainingRuntime": models.TrainerV1alpha1TrainingRuntime,
           "PersistentVolumeClaim": models.IoK8sApiCoreV1PersistentVolumeClaim}
+API_VERSIONS = {"TrainJob": "trainer.kubeflow.org/v1alpha1", "TrainingRuntime": "trainer.kubeflow.org/v1alpha1",
+                "PersistentVolumeClaim": "v1"}
 # 6 steps an epoch, 12 in all, a checkpoint every 4 steps: the runs below are stopped after steps 4
 # and 8, inside epochs 1 and 2.
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "64", "--model",
@@ -91,6 +93,7 @@ def check(name: str, document: dict | None = None) -> BaseModel:
     """The manifest ``name`` (or ``document`` in its place) parsed by the API model of its kind, with
     every key known to the model."""
     document = document or manifest(name)
+    assert document["apiVersion"] == API_VERSIONS[document["kind"]], name
     parsed = MODELS[document["kind"]].from_dict(document)
     problems = unknown_fields(document, parsed, document["kind"])
     assert not problems, f"{name}: fields the API does not have: {problems}"
@@ -210,6 +213,15 @@ def test_another_job_in_that_folder_is_refused(taken, monkeypatch, job):
         resolve()
     assert error.value.message == (f"--output-dir {out} already holds a run: add --resume to continue it, or "
                                    f"choose another --output-dir")
+
+
+def test_a_job_its_scheduler_names_needs_an_output_dir(monkeypatch):
+    """Without one, each start would train from step 0 in a new folder."""
+    monkeypatch.setenv(JOB_ID_VARIABLE, "first")
+    with pytest.raises(UserError) as error:
+        lock_run_and_find_resume(MainProcess(), None, None, "train_ddp.py")
+    assert error.value.message == ("a restartable launch (--max_restarts, TRAINING_JOB_ID) needs --output-dir, so "
+                                   "that a restarted worker finds the run's checkpoints: add --output-dir runs/NAME")
 
 
 # ------------------------------------------------------------------------------------- the pods
