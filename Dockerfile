@@ -19,8 +19,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # point) are relative to this folder.
 WORKDIR /workspace
 
-# The requirements in a layer of their own, so that editing a script does not reinstall torch. `-e .`
-# needs the project's files: it is installed after them.
+# The requirements in a layer of their own, so that editing a script does not reinstall torch.
+# `-e .` needs the project's files: it is installed after them.
 COPY requirements.txt .
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install torch torchvision --index-url "$TORCH_INDEX_URL"; \

@@ -1,5 +1,6 @@
-"""Kubernetes (accelerate_configs/kubernetes/): the manifests are what Kubeflow Trainer v2 reads, and
-the pods they make train together, survive a restart and a preemption, and continue by themselves.
+"""Kubernetes (accelerate_configs/kubernetes/): the manifests are what Kubeflow Trainer v2 reads,
+and the pods they make train together, survive a restart and a preemption, and continue by
+themselves.
 
 No cluster here (`kubectl --dry-run=client` still asks a server), so the manifests are loaded into
 the official API models (kubeflow-trainer-api) and every key is checked against the models' fields,
@@ -139,7 +140,11 @@ def test_the_jobs_name_the_runtime_and_the_runtime_restarts_them():
     runtime, volume = check("runtime.yaml"), manifest("runs_volume.yaml")
     policy = runtime.spec.template.spec.failure_policy
     assert policy.max_restarts > 0 and [rule.action for rule in policy.rules] == ["RestartJobSetAndIgnoreMaxRestarts"]
-    job = runtime.spec.template.spec.replicated_jobs[0].template.spec
+    (replicated,) = runtime.spec.template.spec.replicated_jobs
+    # the Trainer's webhook: the trainer's replicated Job has one replica and a container "node"
+    assert replicated.template.metadata.labels["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    assert replicated.replicas == 1 and [c.name for c in replicated.template.spec.template.spec.containers] == ["node"]
+    job = replicated.template.spec
     assert job.backoff_limit == 0 and job.template.spec.restart_policy == "Never"
     # The rule's reason is what the Job's podFailurePolicy gives an evicted pod.
     assert policy.rules[0].on_job_failure_reasons == ["PodFailurePolicy"]
@@ -147,7 +152,8 @@ def test_the_jobs_name_the_runtime_and_the_runtime_restarts_them():
     claims = [v.persistent_volume_claim.claim_name for v in job.template.spec.volumes if v.persistent_volume_claim]
     assert claims == [volume["metadata"]["name"]] and volume["spec"]["accessModes"] == ["ReadWriteMany"]
     env = runtime_env()
-    assert env[JOB_ID_VARIABLE]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"
+    uid = "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"  # the same after a restart, new for a new job
+    assert env[JOB_ID_VARIABLE]["valueFrom"]["fieldRef"]["fieldPath"] == uid
     # torchrun's wait for its workers after passing SIGTERM on ends before the pod's grace period
     assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"]) < job.template.spec.termination_grace_period_seconds
     for name, script in [("train_ddp.yaml", "scripts/train_ddp.py"), ("train_amp_bf16.yaml", "scripts/train_amp.py")]:
@@ -156,8 +162,7 @@ def test_the_jobs_name_the_runtime_and_the_runtime_restarts_them():
         assert trainjob.spec.runtime_ref.name == runtime.metadata.name
         trainer = trainjob.spec.trainer
         assert trainer.command == ["torchrun", script] and trainer.num_nodes == 2
-        assert trainer.image == runtime.spec.template.spec.replicated_jobs[0].template.spec.template.spec.containers[
-            0].image
+        assert trainer.image == job.template.spec.containers[0].image
         # one process per GPU; the webhook rejects PET_* in trainer.env
         assert trainer.num_proc_per_node == trainer.resources_per_node.limits["nvidia.com/gpu"].actual_instance
         assert not any(e.name.startswith("PET_") for e in trainer.env or [])
