@@ -9,7 +9,7 @@ the environment the Torch plugin and the runtime give the two pods of a 2-node T
 the first pod's address on the loopback, the runtime's env with the downward API's labels filled
 in), running the TrainJob's command and args as Kubernetes expands them, tiny flags appended (the
 last value of a flag wins). A JobSet restart is both pods started again: new processes, the same
-JobSet uid. What a worker's exit status is, torchrun does not say after passing a signal on: a
+JobSet uid. The uninterrupted reference runs the same command as one torchrun of 2 processes. What a worker's exit status is, torchrun does not say after passing a signal on: a
 `sitecustomize` on PYTHONPATH (the test's only addition) records each worker's `sys.exit` code.
 Not run here: the image build (no base image can be pulled) and a real cluster.
 """
