@@ -416,7 +416,7 @@ def test_a_lost_node_fails_the_other_pod_at_once(interrupted):
     print(f"\na node lost: the other pod ended {seconds:.1f} s later")
     assert codes == [1, -signal.SIGKILL] and seconds < 60, survivor[-3000:]
     assert re.search(r"\[rank0\]: RuntimeError: \S*gloo\S* .*Connection (closed|reset) by peer", survivor)
-    assert re.search(r"exitcode\s*: 1 ", survivor), survivor[-3000:]
+    assert re.search(r"exitcode\s*: 1 ", survivor) and "terminate called" not in survivor, survivor[-3000:]
     assert exits == {}  # neither worker reached sys.exit: one killed, one failed in the all-reduce
 
 
@@ -425,13 +425,14 @@ def test_the_restarted_job_continues_by_itself_and_is_preempted_with_a_checkpoin
     restarted = found["outputs"][2]
     assert "resumed from runs/train-ddp/checkpoints/step_00000004" in restarted[0], restarted[0][-3000:]
     codes, seconds, exits, listed = found["preempted"]
-    grace = int(runtime_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])
-    print(f"\nSIGTERM to both pods to the end of both: {seconds:.1f} s (torchrun waits {grace} s)")
+    wait = int(runtime_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])  # below the grace period
+    print(f"\nSIGTERM to both pods to the end of both: {seconds:.1f} s (torchrun waits {wait} s)")
     # torchrun exits 1 after passing a signal on (torch's SignalException); its workers exit 75
-    assert codes == [1, 1] and seconds < grace, restarted
+    assert codes == [1, 1] and seconds < wait, restarted
     assert sorted(exits.values()) == [STOPPED, STOPPED] and len(exits) == 2, exits
-    (stop,) = re.findall(r"stopped by SIGTERM after step (\d+)", restarted[0])
-    assert f"checkpoints/step_{int(stop):08d}" in listed and "model.safetensors" not in listed
+    (stop,) = map(int, re.findall(r"stopped by SIGTERM after step (\d+)", restarted[0]))
+    assert 8 <= stop < 12 and f"checkpoints/step_{stop:08d}" in listed and "model.safetensors" not in listed
+    assert f"resumed from runs/train-ddp/checkpoints/step_{stop:08d}" in found["outputs"][3][0]
     for output in restarted:  # the only traceback is the launcher's own, one per agent
         assert output.count("Traceback") == output.count("SignalException: Process") == 1, output[-3000:]
         assert "terminate called" not in output
@@ -442,9 +443,10 @@ def test_the_job_started_again_ends_at_the_weights_of_an_uninterrupted_run(inter
     codes, _, exits = found["finished"]
     outputs = found["outputs"][3]
     assert codes == [0, 0] and sorted(exits.values()) == [0, 0] and all(map(clean, outputs)), outputs
-    assert "resumed from" in outputs[0] and "--resume" not in " ".join(job.command(job.pod_env(0, 1)))
+    assert "--resume" not in job.command(job.pod_env(0, 1))  # by itself
     ours, theirs = weights(job.folder), weights(reference())
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
-    assert json.loads((job.folder / "config.json").read_text())  # one run, one record
+    records = [json.loads(line) for line in (job.folder / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in records] == [(1, 6), (2, 12)]  # one run, one record
