@@ -11,7 +11,13 @@ from common.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
 from common.errors import UserError
 from common.files import check_folder
 from common.launch import SHARE_GPUS
-from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, build_model, model_names
+from common.models import (
+    TIMM_PREFIX,
+    TORCHVISION_PREFIX,
+    build_model,
+    check_timm_name,
+    model_names,
+)
 from common.pretrained import check_fine_tuning
 from common.profiling import profile_steps
 
@@ -26,6 +32,7 @@ MAX_SEED = 2**32 - 1
 # loaded one. An online tracker or a large model's checkpoint on a slow disk needs more (600).
 MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmetic (--lr, ...)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # below: an lr of 0 in float32
 # --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
 # usual fine-tuning rate.
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
@@ -286,6 +293,12 @@ def check_args(args: argparse.Namespace) -> None:
                         f"{MIN_DIST_TIMEOUT} the others time out while the main process starts "
                         f"the tracker or writes a checkpoint)")
     check_fine_tuning(args.pretrained, args.pretrained_path, args.freeze, args.head_lr_scale)
+    # The classifier's lr, --lr x --head-lr-scale, is float32 too: 1e300 overflows in its first step
+    head_lr = (args.lr or DEFAULT_LR[args.optimizer]) * scale * args.head_lr_scale
+    if not FLOAT32_TINY <= head_lr <= FLOAT32_MAX:
+        raise UserError(f"--head-lr-scale {args.head_lr_scale:g}: the classifier's lr would be "
+                        f"{head_lr:.3g}, outside what float32 holds ({FLOAT32_TINY:.3g} to "
+                        f"{FLOAT32_MAX:.3g}); use a scale such as 10")
     if getattr(args, "sync_bn", False) and args.model.startswith(TIMM_PREFIX):  # DDP's, AMP's flag
         raise UserError(f"--sync-bn with --model {args.model}: torch's SyncBatchNorm conversion "
                         f"drops the activation timm keeps inside its norm layers; drop --sync-bn")
@@ -310,9 +323,9 @@ def check_model_name(name: str) -> None:
     known = name in model_names() or (name.startswith(TORCHVISION_PREFIX)
                                       and name.removeprefix(TORCHVISION_PREFIX)
                                       in torchvision.models.list_models(module=torchvision.models))
-    if name.startswith(TIMM_PREFIX):
-        import timm  # imported by the runs that use it only: it takes a second
-        known = timm.is_model(name.removeprefix(TIMM_PREFIX))
+    if name.startswith(TIMM_PREFIX):  # one line for an unknown model or pretrained tag
+        check_timm_name(name, name.removeprefix(TIMM_PREFIX))
+        known = True
     if not known:
         # builds nothing: raises the UserError that lists the valid names
         build_model(name, num_classes=2)

@@ -126,14 +126,28 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
                     f"(e.g. timm:resnet50) where NAME is any of timm.list_models()")
 
 
-def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | None) -> nn.Module:
-    import timm  # imported by the runs that use it only: it takes a second
+def check_timm_name(name: str, timm_name: str) -> None:
+    """A timm model timm knows, and its pretrained tag (NAME.TAG) one of that model's: an unknown
+    tag passes timm.is_model and fails only in create_model (a RuntimeError)."""
+    import timm
 
     if not timm.is_model(timm_name):
         close = difflib.get_close_matches(timm_name, timm.list_models(), n=5)
         hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, convnext_tiny"
         raise UserError(f"unknown timm model {timm_name!r} in --model {name!r} ({hint}); NAME "
                         f"is any of timm.list_models(), with or without a pretrained tag")
+    arch, _, tag = timm_name.partition(".")
+    tags = [known.partition(".")[2] for known in timm.list_pretrained(f"{arch}.*")]
+    if tag and tag not in tags:
+        raise UserError(f"--model {name!r}: timm has no pretrained tag {tag!r} for {arch} "
+                        f"({'its tags: ' + ', '.join(tags[:8]) if tags else 'it has none'}); "
+                        f"pass --model {TIMM_PREFIX}{arch}" + (f".{tags[0]}" if tags else ""))
+
+
+def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | None) -> nn.Module:
+    import timm  # imported by the runs that use it only: it takes a second
+
+    check_timm_name(name, timm_name)
     model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes)
     if image_size is not None:
         _check_image_size(_shapes_only(model), name, num_classes, image_size)

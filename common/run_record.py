@@ -128,3 +128,15 @@ def write_config(accelerator, output_dir: Path, config: dict) -> None:
                        f"{output_dir}, then run the same command again")
     if (failure := from_main(accelerator, failure)) is not None:
         fail_together(accelerator, failure)
+
+
+def done_line(step: int, history: list[dict], weights: Path) -> str:
+    """The run's last line: its step, the test accuracy of the weights it names (with --ema-decay
+    the average's, which model.safetensors holds and evaluate.py reproduces), where they are."""
+    if not history:
+        return f"done: step {step} - weights in {weights}"
+    last = history[-1]
+    accuracy = (f"test_acc_ema {last['test_acc_ema']:.4f} (the weight average, saved; the trained "
+                f"weights' test_acc {last['test_acc']:.4f})" if "test_acc_ema" in last else
+                f"test_acc {last['test_acc']:.4f}")
+    return f"done: step {step}, {accuracy} - weights in {weights}"

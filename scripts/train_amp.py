@@ -57,7 +57,7 @@ from common.output import survive_closed_output
 from common.pretrained import find_weights, fine_tune
 from common.profiling import StepProfiler
 from common.run_folder import lock_run_and_find_resume
-from common.run_record import run_config, write_config
+from common.run_record import done_line, run_config, write_config
 from common.step_guard import SkippedSteps, StepGuard, announce_stop
 from common.tracking import (
     EpochMeter,
@@ -257,8 +257,7 @@ def main(args):
         return announce_stop(accelerator, stop, progress.step, checkpointer.last)
     ema.apply()  # --ema-decay: model.safetensors holds the averaged weights
     weights = save_final_weights(accelerator, model, output_dir, config, progress.step)
-    final = f", test_acc {progress.history[-1]['test_acc']:.4f}" if progress.history else ""
-    accelerator.print(f"done: step {progress.step}{final} - weights in {weights}")
+    accelerator.print(done_line(progress.step, progress.history, weights))  # what the file holds
     accelerator.end_training()
     return 0
 

@@ -213,6 +213,13 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"
            ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
           ("train_dp", ["--reference-batch-size", "0"], "--reference-batch-size 0: must be 1 or more"),
+          ("train_single", ["--head-lr-scale", "1e300"], "--head-lr-scale 1e+300: the classifier's lr would be 1e+299, "
+           "outside what float32 holds (1.18e-38 to 3.4e+38); use a scale such as 10"),
+          ("train_ddp", ["--head-lr-scale", "1e-300", "--lr", "0.5"], "--head-lr-scale 1e-300: the classifier's lr "
+           "would be 5e-301, outside what float32 holds (1.18e-38 to 3.4e+38); use a scale such as 10"),
+          ("train_single", ["--model", "timm:resnet18.badtag"], "--model 'timm:resnet18.badtag': timm has no "
+           "pretrained tag 'badtag' for resnet18 (its tags: a1_in1k, a2_in1k, a3_in1k, fb_ssl_yfcc100m_ft_in1k, "
+           "fb_swsl_ig1b_ft_in1k, gluon_in1k, tv_in1k); pass --model timm:resnet18.a1_in1k"),
           ("train_dp", ["--share-gpus"], "unrecognized arguments: --share-gpus; see --help"),  # one GPU a replica
           ("train_fsdp", ["--share-gpus", "mpi"], "argument --share-gpus: invalid choice: 'mpi' (choose from "
                                                   "'auto', 'nccl', 'gloo'); see --help"),

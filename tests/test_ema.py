@@ -67,6 +67,10 @@ def test_each_epoch_logs_both_accuracies_and_evaluate_reproduces_the_averaged_on
     evaluated = run("evaluate.py", "--weights", out / "model.safetensors", *DATA, cwd=out.parent)
     correct, total = map(int, re.search(r"\((\d+)/(\d+)\)", evaluated.stdout).groups())
     assert total == 32 and correct / total == pytest.approx(records[-1]["test_acc_ema"])
+    # The last line gives the accuracy of the weights it names: the average's, not the trained weights'.
+    assert done.stdout.strip().splitlines()[-1] == (
+        f"done: step {records[-1]['step']}, test_acc_ema {records[-1]['test_acc_ema']:.4f} (the weight average, "
+        f"saved; the trained weights' test_acc {records[-1]['test_acc']:.4f}) - weights in {out / 'model.safetensors'}")
 
 
 def test_a_two_process_resume_is_bit_for_bit(tmp_path):
