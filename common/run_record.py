@@ -140,3 +140,22 @@ def done_line(step: int, history: list[dict], weights: Path) -> str:
                 f"weights' test_acc {last['test_acc']:.4f})" if "test_acc_ema" in last else
                 f"test_acc {last['test_acc']:.4f}")
     return f"done: step {step}, {accuracy} - weights in {weights}"
+
+
+# MLflow's longest param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH): Accelerate would
+# drop a longer one (1,000 class names) with a warning that prints it whole; config.json has it all.
+MAX_PARAM_CHARS = 6000
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """``config`` as the flat values TensorBoard's hparams and MLflow's params take: nested keys
+    joined by "/", lists as text, None left out, text cut to MAX_PARAM_CHARS."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}/"))
+        elif value is not None:
+            value = value if isinstance(value, (bool, int, float)) else str(value)
+            too_long = isinstance(value, str) and len(value) > MAX_PARAM_CHARS
+            flat[f"{prefix}{key}"] = value[:MAX_PARAM_CHARS - 3] + "..." if too_long else value
+    return flat

@@ -17,8 +17,9 @@ every epoch's metrics.jsonl row, at the global optimizer step.
   working directory. The run id is kept in the training state, as wandb's is.
 
 A tracker whose package is not installed is one warning line naming the pip command (Accelerate
-alone would drop it with a debug message). A tracking failure, a wandb server that cannot be
-reached within START_TIMEOUT included, prints one warning and training goes on without tracking.
+alone would drop it with a debug message). A tracking failure, a wandb or MLflow server that does
+not answer in time (START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, prints one warning and
+training goes on without tracking.
 """
 
 import netrc
@@ -33,7 +34,7 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
-from common.run_record import write_metrics
+from common.run_record import flat_config, write_metrics
 from common.utilisation import GpuBusy, process_gpus, utilisation_figures
 
 GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
@@ -42,12 +43,10 @@ DEFAULT_PROJECT = "multigpu-cifar"
 # the other processes of a job wait for the main one meanwhile, so it must stay well under
 # --dist-timeout (600 s), and under wandb's own 90 s.
 START_TIMEOUT = 60
+MLFLOW_REQUEST_TIMEOUT = 10  # seconds an MLflow server may take to answer one request
 SCRIPT_INDENT = "  "  # the start line's continuation lines
 TENSORBOARD_DIR = "tensorboard"  # under --output-dir: tensorboard --logdir RUN/tensorboard
 MLFLOW_DB = "mlflow.db"  # under --output-dir: mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db
-# MLflow's longest param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH): Accelerate would
-# drop a longer one (1,000 class names) with a warning that prints it whole; config.json has it all.
-MAX_PARAM_CHARS = 6000
 MLFLOW_ARTIFACTS = "mlflow-artifacts"  # under --output-dir: the experiment's (the scripts log none)
 
 
@@ -164,7 +163,15 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
     """MLflowTracker's arguments, and whether its run is new: the run to continue, if any, and
     the store in the run folder unless MLFLOW_TRACKING_URI says where."""
     init = {"run_id": progress.mlflow_run_id, "run_name": name}
-    if accelerator.is_main_process and not os.environ.get("MLFLOW_TRACKING_URI"):
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if accelerator.is_main_process and uri.startswith(("http://", "https://")):
+        # A server that did not answer held a job 252 s (MLflow: 120 s a request, 7 retries) while
+        # the others waited in a collective: bounded like wandb's start, unless the user set them
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(MLFLOW_REQUEST_TIMEOUT))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        accelerator.print(f"mlflow: starting its run at {uri} (one that does not answer costs "
+                          f"about {2 * MLFLOW_REQUEST_TIMEOUT + 3} s, then training goes on)")
+    if accelerator.is_main_process and not uri:
         # MLflow 3's default is sqlite:///mlflow.db in the working directory (full mlflow only).
         os.environ["MLFLOW_TRACKING_URI"] = run_folder_mlflow_uri(output_dir)
         # Where a new experiment keeps its artifacts; an existing one keeps its own place.
@@ -191,20 +198,6 @@ def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
     uri = run_folder_mlflow_uri(output_dir)
     if "mlflow" in names and os.environ.get("MLFLOW_TRACKING_URI") == uri:
         accelerator.print(f"mlflow: run in {uri}; see it with: mlflow ui --backend-store-uri {uri}")
-
-
-def flat_config(config: dict, prefix: str = "") -> dict:
-    """``config`` as the flat values TensorBoard's hparams and MLflow's params take: nested keys
-    joined by "/", lists as text, None left out, text cut to MAX_PARAM_CHARS."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_config(value, f"{prefix}{key}/"))
-        elif value is not None:
-            value = value if isinstance(value, (bool, int, float)) else str(value)
-            too_long = isinstance(value, str) and len(value) > MAX_PARAM_CHARS
-            flat[f"{prefix}{key}"] = value[:MAX_PARAM_CHARS - 3] + "..." if too_long else value
-    return flat
 
 
 def track(accelerator, values: dict, step: int) -> None:

@@ -125,10 +125,51 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
 
 
 def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():
-    from common.tracking import MAX_PARAM_CHARS, flat_config
+    from common.run_record import MAX_PARAM_CHARS, flat_config
 
     flat = flat_config({"args": {"lr": 0.1, "milestones": [4, 9], "resume": None, "tf32": True},
                         "classes": ["airplane"] * 1000})  # 1,000 class names: over MLflow's limit
     assert flat["args/lr"] == 0.1 and flat["args/milestones"] == "[4, 9]" and flat["args/tf32"] is True
     assert "args/resume" not in flat
     assert len(flat["classes"]) == MAX_PARAM_CHARS and flat["classes"].endswith("...")
+
+
+def test_an_mlflow_server_that_does_not_answer_costs_seconds_not_minutes(tmp_path):
+    """A real server that takes connections and never answers (MLflow's default: 120 s a request and
+    7 retries, 252 s measured): the run says where it starts MLflow and what that may cost, gives up
+    within that bound with one warning, and trains to the end."""
+    import socket
+    import threading
+    import time
+
+    held = []
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def accept_and_say_nothing():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+    started = time.monotonic()
+    try:
+        done = run("train_single.py", *SMALL, "--epochs", "1", "--report-to", "mlflow", "--output-dir",
+                   tmp_path / "run", env_extra={"MLFLOW_TRACKING_URI": uri}, timeout=200)
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+    elapsed = time.monotonic() - started
+    lines = done.stdout.splitlines()
+    assert f"mlflow: starting its run at {uri} (one that does not answer costs about 23 s, then training " \
+           f"goes on)" in lines
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: mlflow did not start (") \
+        and warnings[0].endswith("training goes on without tracking"), warnings
+    assert lines[-1].startswith("done: step 4, test_acc ") and held  # it did connect, and was held
+    assert elapsed < 23 + 60, elapsed  # the bound, and the run itself (about 10 s here)
