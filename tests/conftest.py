@@ -16,9 +16,15 @@ from helpers import TINY, run  # noqa: E402
 # launch's and torchrun's default port (29500), where a second job at the same time finds it taken
 # (accelerate then moves to another port, with a warning). They run one at a time, on one worker. A
 # new test that launches several processes belongs here.
-LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_gpu", "test_kubernetes", "test_make_restart",
+LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_kubernetes", "test_make_restart",
                    "test_train_ddp", "test_train_fsdp"}
 LAUNCHING_TESTS = {
+    # on a GPU (skipped without one); its tests of gpu_check's plan and report run beside the others
+    "test_gpu": {"test_every_script_learns_and_evaluate_reproduces_it", "test_stop_and_resume_is_bit_for_bit",
+                 "test_all_gpus_match_one_gpu", "test_sync_bn_matches_one_gpu_and_plain_ddp_does_not",
+                 "test_more_processes_than_gpus_is_refused_without_share_gpus",
+                 "test_profile_traces_cuda_and_utilisation_is_read_per_process",
+                 "test_fine_tunes_a_timm_model_at_224_px_through_the_workers"},
     "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
     "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
     "test_ema": {"test_a_two_process_resume_is_bit_for_bit"},
