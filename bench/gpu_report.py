@@ -164,14 +164,16 @@ def build_report(machine_info: dict, checks: list[dict], benchmark: list[dict],
     rows = [r for run in benchmark for r in run["rows"]]
     passed = (all(c["status"] in ("passed", "skipped") for c in checks)
               and all(run["returncode"] == 0 and not any(r["error"] for r in run["rows"])
-                      for run in benchmark))
+                      for run in benchmark)
+              and not any(p["status"] in ("failed", "error") for p in plan))  # pytest died early
     device = names[0] if len(set(names)) == 1 else " + ".join(sorted(set(names))) or "no GPU"
     return {"device": f"{len(names)} x {device}" if len(names) > 1 else device,
             "slug": device_slug(device), "started": started, "duration_s": round(duration_s, 1),
             "command": command, "passed": passed, "machine": machine_info,
             "targets": evaluate_targets(rows, names), "checks": checks,
             "benchmark": benchmark, "resnet50": resnet50, "plan": list(plan),
-            "unfinished": [p["name"] for p in plan if p["status"] in UNFINISHED]}
+            "unfinished": [p["name"] for p in plan if p["status"] in UNFINISHED
+                           or p["status"] == "not run" and "out of time" in p["message"]]}
 
 
 def write_report(folder: Path, report: dict) -> None:

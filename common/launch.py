@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from accelerate.state import PartialState
 
 from common.errors import UserError
 from common.failures import refused_together
@@ -67,7 +68,7 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
         if share == "nccl":
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
                             "use --share-gpus gloo, or drop the flag")
-        return GpuSharing(0, "gloo" if share else None)
+        return GpuSharing(0, "gloo" if share and processes > 1 else None)  # 1: no group at all
     per_gpu = math.ceil(processes / gpus)
     if per_gpu == 1:
         return GpuSharing(1)
@@ -84,16 +85,19 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
 
 
 def nccl_shares_gpus(nccl: tuple[int, ...] | None) -> bool:
+    """Whether NCCL ``nccl`` (None: none) can put several processes on one GPU."""
     return nccl is not None and nccl >= NCCL_SHARES_GPUS
 
 
 def _version(nccl: tuple[int, ...] | None) -> str:
+    """NCCL's version as people write it, 2.30.7; "none" without NCCL."""
     return ".".join(map(str, nccl)) if nccl else "none"
 
 
 def sharing_note(processes: int, gpus: int, backend: str, nccl: tuple[int, ...] | None) -> str:
     """The warning a run whose processes share GPUs starts with: what it proves and what not."""
-    over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if backend == "nccl" else
+    # Accelerate may name it "cuda:nccl,cpu:gloo" (FSDP with full state dicts): NCCL on the GPUs
+    over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if "nccl" in backend else
             f"{backend}, its collectives copied through host memory"
             + ("" if nccl_shares_gpus(nccl) else
                f" (NCCL {_version(nccl)} cannot share a GPU: 2.30 can)"))
@@ -112,10 +116,11 @@ def set_gpu_sharing(share: str | None) -> str | None:
     """One process per GPU, or with --share-gpus ``share`` several, set up in this process's
     environment: the backend for Accelerate (None: its default). A launch with more processes than
     GPUs and no --share-gpus is refused, in one line from each node's first process (the others
-    exit quietly). Shared GPUs need two variables: Accelerate hands DDP device_ids=[local rank]
+    exit quietly). Shared GPUs change three things in this process: Accelerate hands DDP device_ids=[local rank]
     (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs; with
     ACCELERATE_BYPASS_DEVICE_MAP=true it passes none and DDP uses the device the model is on (its
-    own GPU, local rank % GPUs). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
+    own GPU, local rank % GPUs); Accelerate's barrier is put on this process's GPU
+    (_wait_on_own_gpu); NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version())
@@ -125,9 +130,19 @@ def set_gpu_sharing(share: str | None) -> str | None:
         raise SystemExit(1) from None  # the same refusal, said once a node
     if sharing.per_gpu > 1:
         os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"  # read by prepare(): no device_ids
+        PartialState.wait_for_everyone = _wait_on_own_gpu  # every barrier of Accelerate's
     if sharing.backend == "nccl" and sharing.per_gpu > 1:  # read when NCCL makes its communicator
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     return sharing.backend
+
+
+def _wait_on_own_gpu(self) -> None:
+    """PartialState.wait_for_everyone (every barrier of Accelerate's: checkpoints, FSDP's loads,
+    ours) with its tensor on this process's GPU: Accelerate names cuda:<local rank> (state.py,
+    wait_for_everyone: barrier(device_ids=[local_process_index])), where torch then allocates it
+    (ProcessGroup::barrier), a GPU this node lacks once processes outnumber GPUs."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
 
 
 def launch_record(accelerator) -> dict:

@@ -199,11 +199,24 @@ def stop(process: subprocess.Popen) -> None:
     """End ``process`` and what it started (its own session: the training processes of a launch
     too), SIGTERM first: the scripts save and exit within seconds; SIGKILL after 15 s."""
     os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
+    # The whole group, not only its leader: pytest ends at once, the launches under it save first.
+    ends = time.time() + 15
+    while time.time() < ends and _group_alive(process):
+        time.sleep(0.5)
+    if _group_alive(process):
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process.wait()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    """Whether any process of ``process``'s group is left (its leader reaped first: a zombie
+    would count)."""
+    process.poll()
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _update_checks(progress: Progress, outcomes: Path, figures: Path, names: list[str]) -> None:

@@ -693,7 +693,9 @@ def test_the_plan_fits_its_budget_and_names_real_checks(tmp_path):
         "needs native bf16 (compute capability 8.0 and newer)"
 
 
-CUT_SHORT = """import time
+CUT_SHORT = """import os
+import subprocess
+import time
 import pytest
 
 @pytest.mark.gpu
@@ -705,7 +707,10 @@ def test_too_long_for_the_time_left():
     pass
 
 @pytest.mark.gpu
-def test_slow():
+def test_slow():  # as a launch does: a process of its own that saves for 2 s when told to stop
+    child = subprocess.Popen(["bash", "-c", "trap 'sleep 2; exit 75' TERM; sleep 120 & wait"])
+    with open(os.environ["CHILD_PID_FILE"], "w") as f:
+        f.write(str(child.pid))
     time.sleep(120)
 """
 
@@ -713,8 +718,10 @@ def test_slow():
 def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):
     """gpu_check's run of three checks (bench/gpu_pytest.py in a real pytest) with 12 s left: the fast one
     passes and the report says so while the next still runs; the one whose estimate (100 s) no longer fits is
-    not started; the slow one is stopped at the deadline and its row says so."""
+    not started; the slow one is stopped at the deadline, the process it started too (after its 2 s of
+    saving), and its row says so."""
     (tmp_path / "test_cut.py").write_text(CUT_SHORT)
+    monkeypatch.setenv("CHILD_PID_FILE", str(tmp_path / "child.pid"))
     monkeypatch.setattr(gpu_plan, "CHECKS", str(tmp_path / "test_cut.py"))
     rows = [gpu_plan.Row("test_fast", "passes", 1), gpu_plan.Row("test_too_long_for_the_time_left", "-", 100),
             gpu_plan.Row("test_slow", "-", 1)]
@@ -734,14 +741,17 @@ def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):
         time.sleep(0.2)
     runner.join()
     assert time.time() < deadline + 20  # stopped at the deadline, not after the slow test's 120 s
+    child = int((tmp_path / "child.pid").read_text())  # the process the slow check started: ended too
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
     assert seen_while_running == {"test_fast": "passed", "test_too_long_for_the_time_left": "not run",
                                   "test_slow": "running"}
     report = progress.write()
     assert [r["status"] for r in report["plan"]] == ["passed", "not run", "cut"]
     assert re.fullmatch(r"not run: out of time \(100 s estimated, \d+ s left\)", report["plan"][1]["message"])
     assert report["plan"][2]["message"] == "stopped: the check's time ran out"
-    assert report["unfinished"] == ["test_slow"]
-    assert gpu_report.render_markdown(report).split("\n")[2].startswith("INCOMPLETE (1 planned rows did not finish)")
+    assert report["unfinished"] == ["test_too_long_for_the_time_left", "test_slow"]
+    assert gpu_report.render_markdown(report).split("\n")[2].startswith("INCOMPLETE (2 planned rows did not finish)")
 
 
 def test_the_gpu_wheels_are_pinned_once():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 
 from common import launch
 from common.cli import Parser, add_ddp_args
@@ -31,6 +31,7 @@ def on_node(monkeypatch, processes: int, gpus: int, nccl=OLD, rank: int = 0):
     for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "ACCELERATE_BYPASS_DEVICE_MAP"):  # what set_gpu_sharing sets
         monkeypatch.setenv(name, "")  # so that monkeypatch removes it again after the test
         monkeypatch.delenv(name)
+    monkeypatch.setattr(PartialState, "wait_for_everyone", PartialState.wait_for_everyone)  # and this
 
 
 REFUSAL = ("the launch starts 8 processes on this node but it has 4 GPUs: pass --num_processes 4 (per node) to "
@@ -60,6 +61,7 @@ CHOICES = [
     (("auto", 3, 2, OLD), (2, "gloo")),  # Accelerate puts rank r on GPU r % 2: 2 on GPU 0, 1 on GPU 1
     (("auto", 2, 2, OLD), (1, None)), ((None, 1, 1, OLD), (1, None)),  # a GPU each: no change
     (("auto", 2, 0, None), (0, "gloo")), ((None, 2, 0, None), (0, None)),  # the CPU: gloo either way
+    (("auto", 1, 0, None), (0, None)),  # one process: no process group to name a backend for
 ]
 
 
@@ -91,6 +93,24 @@ def test_nccl_is_asked_to_share_in_the_environment_unless_the_user_said_otherwis
     assert launch.set_gpu_sharing("nccl") == "nccl" and os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "0"
     on_node(monkeypatch, 2, 1, nccl=OLD)  # gloo: NCCL is not asked for anything
     assert launch.set_gpu_sharing("auto") == "gloo" and "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ
+
+
+def test_shared_gpus_put_accelerate_s_barrier_on_the_process_s_own_gpu(monkeypatch):
+    """Accelerate's wait_for_everyone asks torch for a barrier on cuda:<local rank>, where torch allocates
+    its tensor: rank 1 of 2 on one GPU would ask for cuda:1. Shared, the barrier is on the GPU the process
+    uses (torch.cuda.current_device, which Accelerate set to local rank % GPUs); unshared, Accelerate's own."""
+    barriers = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda device_ids=None: barriers.append(device_ids))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on_node(monkeypatch, 2, 2, nccl=OLD, rank=1)  # a GPU each: Accelerate's barrier untouched
+    launch.set_gpu_sharing("auto")
+    assert PartialState.wait_for_everyone is not launch._wait_on_own_gpu
+    on_node(monkeypatch, 2, 1, nccl=OLD, rank=1)
+    launch.set_gpu_sharing("auto")
+    assert PartialState.wait_for_everyone is launch._wait_on_own_gpu
+    PartialState.wait_for_everyone(SimpleNamespace(local_process_index=1))
+    assert barriers == [[0]]
 
 
 def test_shared_gpus_give_ddp_no_device_ids(monkeypatch):
