@@ -113,14 +113,14 @@ def local_processes() -> int:
 
 
 def set_gpu_sharing(share: str | None) -> str | None:
-    """One process per GPU, or with --share-gpus ``share`` several, set up in this process's
-    environment: the backend for Accelerate (None: its default). A launch with more processes than
-    GPUs and no --share-gpus is refused, in one line from each node's first process (the others
-    exit quietly). Shared GPUs change three things in this process: Accelerate hands DDP device_ids=[local rank]
-    (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs; with
-    ACCELERATE_BYPASS_DEVICE_MAP=true it passes none and DDP uses the device the model is on (its
-    own GPU, local rank % GPUs); Accelerate's barrier is put on this process's GPU
-    (_wait_on_own_gpu); NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
+    """One process per GPU, or with --share-gpus ``share`` several, set up in this process: the
+    backend for Accelerate (None: its default). A launch with more processes than GPUs and no
+    --share-gpus is refused, in one line from each node's first process (the others exit quietly).
+    Shared GPUs change three things here. Accelerate hands DDP device_ids=[local rank]
+    (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs: with
+    ACCELERATE_BYPASS_DEVICE_MAP=true it passes none, and DDP uses the device the model is on (its
+    own GPU, local rank % GPUs). Accelerate's barrier is put on this process's GPU
+    (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version())
