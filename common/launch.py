@@ -131,8 +131,8 @@ def set_gpu_sharing(share: str | None) -> str | None:
     if sharing.per_gpu > 1:
         os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"  # read by prepare(): no device_ids
         PartialState.wait_for_everyone = _wait_on_own_gpu  # every barrier of Accelerate's
-    if sharing.backend == "nccl" and sharing.per_gpu > 1:  # read when NCCL makes its communicator
-        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        if sharing.backend == "nccl":  # read when NCCL makes its communicator
+            os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     return sharing.backend
 
 

@@ -353,21 +353,27 @@ def segments(runnable: list) -> list[tuple[str, list]]:
 
 def run_plan(progress: Progress, planned: list, deadline: float, batch: int) -> None:
     for kind, group in segments([p for p in planned if p.why_not is None]):
-        if kind == "check":
+        if kind == "check":  # one pytest for the group: its module fixtures are shared
             run_checks(progress, [p.row.name for p in group], deadline)
-        for p in group if kind != "check" else ():
-            row = progress.row(p.row.name)
-            if time.time() + p.row.seconds > deadline:
-                row.update(status="not run", message="out of time: its estimate no longer fit")
-            elif kind == "benchmark":
-                run_benchmark(progress, p.row.name, p.row.bench, p.row.gpus > 1, deadline)
-            else:
-                began = time.perf_counter()
-                progress.resnet50 = large_rows(batch, 50)
-                row.update(status="passed" if not any(r["error"] for r in progress.resnet50
-                                                      if "native bf16" not in (r["error"] or ""))
-                           else "failed", seconds=round(time.perf_counter() - began, 1))
+        else:
+            for p in group:
+                run_one(progress, p.row, deadline, batch)
         progress.write()
+
+
+def run_one(progress: Progress, row, deadline: float, batch: int) -> None:
+    """A benchmark or ResNet-50 row of the plan, if its estimate still fits before ``deadline``."""
+    status = progress.row(row.name)
+    if time.time() + row.seconds > deadline:
+        status.update(status="not run", message="out of time: its estimate no longer fit")
+    elif row.kind == "benchmark":
+        run_benchmark(progress, row.name, row.bench, row.gpus > 1, deadline)
+    else:
+        began = time.perf_counter()
+        progress.resnet50 = large_rows(batch, 50)
+        failed = any(r["error"] and "native bf16" not in r["error"] for r in progress.resnet50)
+        status.update(status="failed" if failed else "passed",
+                      seconds=round(time.perf_counter() - began, 1))
 
 
 def main(args) -> int:
