@@ -134,6 +134,21 @@ def hwm_mb(pid: int) -> float | None:
     return int(found.group(1)) / 1024 if found else None
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, read from /proc. Not psutil's children(): it drops a
+    child whose start time, reckoned from the boot time it reads again for each process, seems
+    earlier than its parent's, and the kernel's boot time moves when the clock is adjusted."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name, in (), may hold spaces
+        except (OSError, IndexError):
+            continue  # it ended while the folder was read
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def peak_memory(args, cwd: Path, interval: float = 0.05) -> dict:
     """Run train_single.py with ``args`` and return the peak resident memory (VmHWM, sampled to the
     end of each process) of its main process, over the whole run ("main") and before its first worker
@@ -148,20 +163,16 @@ def peak_memory(args, cwd: Path, interval: float = 0.05) -> dict:
         proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_single.py"), *map(str, args)],
                                 cwd=cwd, env=user_env(CIFAR_CACHE_DIR=str(cwd / ".cache")), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    main, resident, private = psutil.Process(proc.pid), {}, {}
-    command = main.cmdline()  # a worker is forked: the same command; `git rev-parse` (config.json) is not one
+    resident, private = {}, {}
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            children = main.children()
-        except psutil.NoSuchProcess:
-            break
         resident[proc.pid] = hwm_mb(proc.pid) or resident.get(proc.pid, 0)
         if len(resident) == 1:  # no worker seen yet
             setup = resident[proc.pid]
-        for worker in children:
-            try:
-                if worker.cmdline() != command:
+        for pid in children(proc.pid):
+            try:  # a worker is forked: the same command; `git rev-parse` (config.json) is not one
+                worker = psutil.Process(pid)
+                if worker.cmdline() != psutil.Process(proc.pid).cmdline():
                     continue
                 private[worker.pid] = max(private.get(worker.pid, 0), worker.memory_full_info().uss / 2**20)
             except psutil.Error:
