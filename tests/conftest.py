@@ -17,7 +17,7 @@ from helpers import TINY, run  # noqa: E402
 # (accelerate then moves to another port, with a warning). They run one at a time, on one worker. A
 # new test that launches several processes belongs here.
 LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_kubernetes", "test_make_restart",
-                   "test_train_ddp", "test_train_fsdp"}
+                   "test_train_ddp", "test_train_fsdp", "test_ddp_lesson"}
 LAUNCHING_TESTS = {
     # on a GPU (skipped without one); its tests of gpu_check's plan and report run beside the others
     "test_gpu": {"test_every_script_learns_and_evaluate_reproduces_it", "test_stop_and_resume_is_bit_for_bit",
