@@ -141,13 +141,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                        help="label smoothing of the cross-entropy, 0 for none "
                             "(default: %(default)s)")
     train.add_argument("--schedule", default="onecycle", choices=("onecycle", "step"),
-                       help="onecycle: warm-up then cosine decay to ~0; step: lr divided by 10 at "
-                            "each of --milestones (default: %(default)s)")
+                       help="onecycle: cosine warm-up then cosine decay to ~0; step: linear "
+                            "warm-up, then lr divided by 10 at each of --milestones "
+                            "(default: %(default)s)")
     train.add_argument("--milestones", type=int, nargs="+", default=[4, 9, 14],
                        help="epochs after which the step schedule divides the lr by 10; the "
                             "articles' recipe is 4 9 14 with 15 epochs (default: %(default)s)")
     train.add_argument("--warmup-epochs", type=float, default=1.0,
-                       help="linear warm-up length in epochs, for both schedules; 0 for none "
+                       help="warm-up length in epochs, for both schedules: onecycle rises from "
+                            "lr/25 along a cosine, step rises linearly; 0 for none "
                             "(default: %(default)s)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initialisation, shuffling and augmentation "

@@ -35,8 +35,9 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
                     warmup_epochs: float, milestones=(), gamma: float = 0.1):
     """A schedule stepped once per optimizer step.
 
-    onecycle: torch's OneCycleLR (Smith & Topin 2017): linear warm-up from lr/25 over the warm-up,
-    then cosine decay to ~0. Momentum is not cycled, so --momentum keeps its meaning.
+    onecycle: torch's OneCycleLR (Smith & Topin 2017) with anneal_strategy="cos", which anneals
+    both phases along a cosine: up from lr/25 over the warm-up, then down to lr/250,000. Momentum
+    is not cycled, so --momentum keeps its meaning.
     step: linear warm-up, then the lr times ``gamma`` after each milestone epoch (the articles'
     recipe: 0.1, divided by 10 after epochs 4, 9 and 14).
     """
