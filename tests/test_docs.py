@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINE = 100  # STYLE.md 18; pyproject.toml's [tool.ruff] line-length says the same
+MAX_LINE = 100  # pyproject.toml's [tool.ruff] line-length (test_ruff_line_length_is_100)
 NAME = re.compile(r"[a-z_][a-z0-9_]*(/[a-z_][a-z0-9_]*)*")
 
 
@@ -269,8 +269,9 @@ def long_lines(root: Path, folders: list[str]) -> list[str]:
 
 def test_code_lines_fit_in_100_characters():
     found = long_lines(ROOT, ["scripts", "common"])
-    assert not found, (f"{len(found)} lines over {MAX_LINE} characters (STYLE.md 18; `ruff check "
-                       f"--select E501` lists them): " + ", ".join(found[:20])
+    assert not found, (f"{len(found)} lines over {MAX_LINE} characters (pyproject.toml's "
+                       f"[tool.ruff] line-length; `ruff check --select E501` lists them): "
+                       + ", ".join(found[:20])
                        + (" ..." if len(found) > 20 else ""))
 
 
