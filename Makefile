@@ -1,5 +1,7 @@
 # The two commands of the README: `make demo` trains, `make test` runs the suite. Both create the
-# virtual environment in .venv and install requirements.txt first, once (again when it changes).
+# virtual environment in .venv and install requirements-dev.txt first (the scripts' packages, the
+# optional ones, the tools of the tests and the benchmark, the project itself: docs/install.md),
+# once, and again when a requirement file changes.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,10 +12,10 @@ ARGS ?=
 
 .PHONY: demo test ddp bench gpu-check gpu-wheels diffs clean
 
-$(BIN)/.installed: requirements.txt pyproject.toml
+$(BIN)/.installed: requirements.txt requirements-optional.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
 # A CIFAR-sized ResNet-20 on the synthetic dataset: no download, about three minutes on 2 CPU cores.
