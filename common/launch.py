@@ -188,9 +188,17 @@ def check_batch_split(batch_size: int, parts: int, what: str, grad_accum: int = 
                         f"use {nearest}")
 
 
-def check_launch(accelerator, batch_size: int, grad_accum: int) -> None:
-    """A DDP launch: Accelerate sees every process the launcher started (check_world_size), and
-    the global batch cuts into equal slices, one per process and micro-batch (check_batch_split)."""
+def check_sync_bn(sync_bn: bool, device: torch.device) -> None:
+    """--sync-bn where SyncBatchNorm runs: torch has no CPU implementation of it."""
+    if sync_bn and device.type == "cpu":
+        raise UserError("--sync-bn needs GPUs (SyncBatchNorm has no CPU implementation): drop it")
+
+
+def check_launch(accelerator, batch_size: int, grad_accum: int, sync_bn: bool = False) -> None:
+    """A DDP launch: Accelerate sees every process the launcher started (check_world_size), the
+    global batch cuts into equal slices, one per process and micro-batch (check_batch_split), and
+    --sync-bn (``sync_bn``) has GPUs (check_sync_bn). A collective: every process must call it."""
     check_world_size(accelerator)
     refused_together(accelerator, check_batch_split, batch_size, accelerator.num_processes,
                      "processes", grad_accum)  # one line, not one per process
+    refused_together(accelerator, check_sync_bn, sync_bn, accelerator.device)

@@ -116,7 +116,7 @@ def set_up(args) -> Accelerator:
     if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
         raise UserError(f"--compile {args.compile}: not offered with DataParallel: use "
                         f"train_ddp.py --compile")
-    accelerator = Accelerator(
+    accelerator = Accelerator(  # ALL: where several processes make their process group
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
         dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
@@ -130,47 +130,75 @@ def set_up(args) -> Accelerator:
     return accelerator
 
 
-def main(args):
-    # ----------------------------------------------------------------------------------- setup
-    accelerator = set_up(args)
-    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
-    # DP: every GPU CUDA_VISIBLE_DEVICES shows, in equal slices, their copies arriving intact
-    devices = checked_gpus(accelerator.device, args.batch_size, args.grad_accum)
-    per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: each GPU's
-    # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
-    output_dir, checkpoint = lock_run_and_find_resume(accelerator, args.output_dir, args.resume,
-                                                      __file__)
-
-    # ------------------------------------------------------------------------------------ data
+def load_data(args, accelerator, checkpoint):
+    """The pretrained weights' file (None: none) and the data: loaders, augmentation, record."""
     # --pretrained, --pretrained-path: the weights' file, found now (one line if it is missing;
     # a resumed run needs only what the run recorded of them: the checkpoint holds the weights)
-    weights = refused_together(accelerator, find_weights, args.model, args.pretrained,
+    weights = refused_together(accelerator, find_weights, args.model, args.pretrained,  # ALL
                                args.pretrained_path, checkpoint)
     # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
     # (with pretrained weights at their input size, normalised with their mean and std)
-    data = load_inputs(data_options(args, weights), accelerator)
-    train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
+    return weights, load_inputs(data_options(args, weights), accelerator)  # ALL
 
-    # ------------------------------------------------------------- model, optimizer, schedule
+
+def make_model(args, accelerator, data, weights):
+    """--model for the data's classes and image size, with the pretrained ``weights`` if any: the
+    model, and what fine-tuning records of them."""
     # refused if it cannot train at this size: one line, on every process at once
-    model = refused_together(accelerator, build_model, args.model, data.num_classes,
+    model = refused_together(accelerator, build_model, args.model, data.num_classes,  # ALL
                              data.image_size)
     if args.channels_last:  # tensor cores and oneDNN's convolutions are fastest in NHWC
         model = model.to(memory_format=torch.channels_last)
     # the pretrained weights loaded, their head swapped for the data's classes; --freeze backbone
-    tuned = refused_together(accelerator, fine_tune, model, weights, args.model, data.num_classes,
-                             data.image_size, args.freeze)
+    tuned = refused_together(accelerator, fine_tune, model, weights, args.model,  # ALL
+                             data.num_classes, data.image_size, args.freeze)
+    return model, tuned
+
+
+def optimizer_and_schedule(args, model, batches: int):
+    """The optimizer at its peak lr and the schedule over the run's optimizer steps, for an epoch
+    of ``batches`` micro-batches: with the peak lr, the steps per epoch and in all."""
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]  # --optimizer's default
     # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
     peak_lr = lr * args.batch_size / args.reference_batch_size if args.scale_lr else lr
     optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay, args.optimizer,
                                 args.head_lr_scale)  # --head-lr-scale: the classifier's lr
-    steps_per_epoch = len(train_loader) // args.grad_accum  # optimizer steps, of micro-batches
+    steps_per_epoch = batches // args.grad_accum  # optimizer steps, of micro-batches
     total_steps = steps_per_epoch * args.epochs
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
+    return optimizer, scheduler, peak_lr, steps_per_epoch, total_steps
+
+
+def start_run(accelerator, args, config, output_dir, progress, where: str, data_line: str):
+    """config.json (once per run), the trackers started or continued, the run's first line."""
+    write_config(accelerator, output_dir, config)  # ALL
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
+    accelerator.print(start_line(SCRIPT, where, config, data_line, output_dir))
+
+
+def main(args):
+    # ----------------------------------------------------------------------------------- setup
+    accelerator = set_up(args)  # ALL
+    fp32 = set_numerics(accelerator.device, args.tf32, args.deterministic)  # TF32, cuDNN search
+    # DP: every GPU CUDA_VISIBLE_DEVICES shows, in equal slices, their copies arriving intact
+    devices = checked_gpus(accelerator.device, args.batch_size, args.grad_accum)
+    per_device_batch = args.batch_size // args.grad_accum // max(len(devices), 1)  # DP: each GPU's
+    # The run folder, locked for this job; a restarted or requeued job resumes by itself here.
+    output_dir, checkpoint = lock_run_and_find_resume(  # ALL
+        accelerator, args.output_dir, args.resume, __file__)
+
+    # ------------------------------------------------------------------------------------ data
+    weights, data = load_data(args, accelerator, checkpoint)  # ALL
+    train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
+
+    # ------------------------------------------------------------- model, optimizer, schedule
+    model, tuned = make_model(args, accelerator, data, weights)  # ALL
+    optimizer, scheduler, peak_lr, steps_per_epoch, total_steps = optimizer_and_schedule(
+        args, model, len(train_loader))
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
+    model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # ALL
         model, optimizer, train_loader, test_loader, scheduler)
     parallel_model = Replica(model, criterion)  # DP: after prepare: save_state keeps the plain one
     if devices:  # DP: gathers on devices[0]; on a CPU (or --cpu) there is nothing to split
@@ -186,13 +214,10 @@ def main(args):
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config,
         **tuned})
-    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # if there is one
+    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # ALL: if there is one
     set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
-    write_config(accelerator, output_dir, config)
-    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
-                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
     where = ", ".join(map(str, devices)) or str(accelerator.device)  # DP: every GPU
-    accelerator.print(start_line(SCRIPT, where, config, data.line, output_dir))
+    start_run(accelerator, args, config, output_dir, progress, where, data.line)  # ALL
 
     # ----------------------------------------------------------------------------------- train
     stop_step = min(total_steps, args.max_steps or total_steps)
@@ -223,7 +248,7 @@ def main(args):
             meter.wait.stop()
             # --grad-accum N: backward adds up the gradients of N micro-batches (each loss divided
             # by N); the optimizer, schedule and zero_grad act on the N-th only (sync_gradients).
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # ALL: the step, its forward and backward
                 loss = (parallel_model(images, labels).mean() if args.loss_in_replicas  # DP: GPUs
                         else criterion(parallel_model(images), labels))  # DP: gathered on GPU 0
                 accelerator.backward(loss)
@@ -239,23 +264,25 @@ def main(args):
                 continue
             progress.step += 1
             progress.batch_in_epoch += 1
-            ema.update()  # --ema-decay: the average follows every optimizer step
+            ema.update()  # ALL: --ema-decay: the average follows every optimizer step
             profiler.step()  # --profile: the traced steps are chosen by number
             meter.add(step_loss)
             # The epoch's last whole optimizer step: micro-batches left over wait for the next.
             epoch_end = progress.step >= stop_step or progress.batch_in_epoch == steps_per_epoch
             # None, a stop signal or a non-finite loss; read a step late on a GPU unless it is saved
-            stop = guard.check(step_loss, progress.step, checkpointer.due(progress.step, epoch_end))
+            stop = guard.check(step_loss, progress.step,  # ALL
+                               checkpointer.due(progress.step, epoch_end))
             step_logger.log(progress.step, step_loss, lr)
             step_loss = 0
             # ------------------------------------- the epoch's end: evaluate, record the epoch
             if epoch_end and (stop is None or stop.saves):
                 epoch_complete = progress.end_epoch(epoch, steps_per_epoch)
-                figures = meter.figures(meter.loss_sum)  # the loss, the time, img/s, the data wait
+                figures = meter.figures(  # ALL: the loss, the time, img/s, the data wait
+                    meter.loss_sum)
                 # DP: evaluated on all the GPUs
-                result = evaluate(parallel_model, test_loader, transform, accelerator,
+                result = evaluate(parallel_model, test_loader, transform, accelerator,  # ALL
                                   data.num_classes)
-                averaged = ema.evaluate(parallel_model, test_loader, transform,
+                averaged = ema.evaluate(parallel_model, test_loader, transform,  # ALL
                                         accelerator, data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
@@ -263,9 +290,9 @@ def main(args):
                     "test_acc": result.accuracy, "test_images": result.total, **averaged,
                     **memory_report(devices)})  # DP: one value per GPU; GPU 0 holds more
                 if progress.step < stop_step:  # a stop signal that came during the evaluation
-                    stop = guard.signalled()
+                    stop = guard.signalled()  # ALL
             # ---------- the one checkpoint: every --checkpoint-every steps, the epoch's end, a stop
-            checkpointer.save(progress.step, epoch_end, stop)
+            checkpointer.save(progress.step, epoch_end, stop)  # ALL
             if stop or epoch_end:
                 break
             meter.wait.start()
@@ -273,9 +300,9 @@ def main(args):
     # ------------------------------------------------------------------------------- finish
     profiler.finish()  # --profile: the table of the ops that cost most per step
     if stop:  # one line; exit 75 (saved: --resume continues) or 1 (diverged: nothing of it saved)
-        return announce_stop(accelerator, stop, progress.step, checkpointer.last)
+        return announce_stop(accelerator, stop, progress.step, checkpointer.last)  # ALL
     ema.apply()  # --ema-decay: model.safetensors holds the averaged weights
-    weights = save_final_weights(accelerator, model, output_dir, config, progress.step)
+    weights = save_final_weights(accelerator, model, output_dir, config, progress.step)  # ALL
     accelerator.print(done_line(progress.step, progress.history, weights))  # what the file holds
     accelerator.end_training()
     return 0
