@@ -6,13 +6,23 @@ its own way: OSError for small writes, safetensors' SafetensorError, torch.save'
 ``from_main`` let every process learn of a failure in the collective it would reach next anyway,
 instead of waiting in it until --dist-timeout; ``fail_together`` stops them all with one line;
 ``refused_together`` does all three for a step that may refuse its input (a UserError).
+
+A failure that one process meets alone (an exception in its data, its step, its evaluation, its
+write) cannot be agreed: ``watch_failures`` makes it end every process within seconds, said once.
 """
 
+import atexit
+import os
+import re
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
+import torch
 from accelerate.utils import broadcast_object_list, gather_object
+from tqdm import tqdm
 
 from common.errors import UserError, first_line
 
@@ -67,6 +77,132 @@ def fail_together(accelerator, message: str) -> None:
         accelerator.wait_for_everyone()
         error.code = 1  # said once, above; the other processes say nothing
     raise error
+
+
+# The key, in the store through which the processes met (c10d's), that names the process that failed
+# first. A watcher thread asks for it twice a second: no collective, nothing on the training step.
+FIRST_FAILURE = "first-failure"
+POLL_S = 0.5
+GRACE_S = 3.0  # for a process that will meet the failure in a collective and end by itself
+TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
+
+
+def watch_failures(accelerator) -> None:
+    """Make an exception that one process meets alone end every process within seconds, with one
+    line: that process's own (a bad image's line, the traceback of a bug), said by it alone. The
+    others end without a word, and without waiting out a collective until --dist-timeout: the one
+    they are in fails (gloo: "Connection closed by peer") or, if it waits (NCCL), a watcher thread
+    that reads the store ends the process. Every process exits 1, its trackers closed as failed.
+    A process killed outright (out of memory, SIGKILL) posts nothing: the first to lose it in a
+    collective says so in one line. Failures the processes agree on (``fail_together``) and stops
+    (``announce_stop``) end as before. Multi-process runs only; call it once training starts."""
+    if getattr(accelerator, "num_processes", 1) == 1 or getattr(sys.excepthook, "watches", False):
+        return
+    store, me, previous = _store(), str(accelerator.process_index), sys.excepthook
+
+    def hook(kind, error, traceback):
+        if _first(store, me):
+            _own_line(accelerator)
+            if _lost_a_process(error):
+                print(f"error: process {me} lost another process of the job in a collective "
+                      f"({_short(error)}): that process ended first; its own output or the "
+                      f"launcher's report says why", file=sys.stderr)
+            else:
+                previous(kind, error, traceback)  # our line (a bad image) or a bug's traceback
+        end_now(accelerator)
+
+    hook.watches = True
+    sys.excepthook = hook
+    threading.Thread(target=_watch, args=(store, me, accelerator), daemon=True,
+                     name="failure-watch").start()
+
+
+def fail_alone(accelerator, message: str) -> None:
+    """Stop every process for a failure that this process may meet alone, where the others may be
+    inside collectives it will not join (save_state: FSDP2's gathers, --ema-decay's): ``message``
+    said once, by the first process to fail, then every process exits 1 (the others through the
+    collective that loses this one, or the watch). With one process: a UserError, as ever."""
+    if getattr(accelerator, "num_processes", 1) == 1:
+        raise UserError(message)
+    if _first(_store(), str(accelerator.process_index)):
+        _own_line(accelerator)
+        print(UserError(message).code, file=sys.stderr)
+    end_now(accelerator)
+
+
+def _store():
+    """The store through which the processes met (c10d's), which outlives any one of them when a
+    launcher holds it."""
+    return torch.distributed.distributed_c10d._get_default_store()  # noqa: SLF001
+
+
+def _first(store, me: str) -> bool:
+    """Whether this process's failure is the job's first: the store keeps the first name given."""
+    try:
+        return store.compare_set(FIRST_FAILURE, "", me).decode() == me
+    except Exception:  # noqa: BLE001 - the store's host (the main process) ended: it went first
+        return False
+
+
+def _own_line(accelerator) -> None:
+    """Start a line of its own: the main process's progress bar holds the terminal's line."""
+    if accelerator.is_main_process:
+        _clear_progress_bars()
+    else:
+        print(file=sys.stderr)
+
+
+def _watch(store, me: str, accelerator) -> None:
+    """Another process's failure, read from the store: this process ends, unless its main thread
+    meets the failure itself within GRACE_S (gloo's collectives fail at once) and ends there."""
+    while True:
+        time.sleep(POLL_S)
+        try:
+            if not store.check([FIRST_FAILURE]):
+                continue
+            failed = store.get(FIRST_FAILURE).decode()
+        except Exception:  # noqa: BLE001 - the store's host ended: a job that finished, or a
+            return  # failure that the collective this process meets next reports
+        if failed != me:
+            time.sleep(GRACE_S)
+            end_now(accelerator)
+        return
+
+
+def end_now(accelerator, exit_code: int = 1) -> None:
+    """End this process as failed, now: its trackers closed as failed (for TRACKERS_S at most),
+    its progress bars cleared, its output flushed and its exit handlers run (the run folder's lock,
+    the loader workers), then os._exit, not Python's shutdown: torch's threads, still in a
+    collective with a process that is gone, can abort it there (C++ "terminate called")."""
+    closing = threading.Thread(target=end_tracking_failed, args=(accelerator, exit_code),
+                               daemon=True)
+    closing.start()
+    closing.join(TRACKERS_S)
+    _clear_progress_bars()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()  # noqa: SLF001 - what a normal exit runs first
+    finally:
+        os._exit(exit_code)
+
+
+def _clear_progress_bars() -> None:
+    for bar in list(getattr(tqdm, "_instances", ())):  # tqdm.auto's bars are tqdm's too
+        bar.close()  # leave=False: the line is cleared
+
+
+def _lost_a_process(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure because another process is gone."""
+    text = str(error)
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                         "Broken pipe", "remote process exited", "NCCL error"))
+
+
+def _short(error: BaseException) -> str:
+    """A collective's error in a few words: gloo's starts with the source file and goes on."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+    return text.split(". ", 1)[0]
 
 
 def end_tracking_failed(accelerator, exit_code: int = 1) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoints import latest_checkpoint, latest_good_checkpoint
-from common.failures import end_tracking_failed
+from common.failures import end_tracking_failed, watch_failures
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
 # torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
@@ -69,10 +69,12 @@ class StepGuard:
         """SIGTERM, SIGUSR1, SIGINT (Ctrl-C: no KeyboardInterrupt) and SIGHUP set a flag that
         ``check`` reads (the step in progress finishes), and the kernel sends this process SIGTERM
         when its launcher dies (PR_SET_PDEATHSIG): `accelerate launch` of one process passes no
-        signal on. Main thread of a training process only."""
+        signal on. An exception that one process meets alone ends every process within seconds
+        (common.failures.watch_failures). Main thread of a training process only."""
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._on_signal)
         _signal_when_parent_dies(signal.SIGTERM)
+        watch_failures(self.accelerator)
 
     def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
         self.received = self.received or signal.Signals(signum).name

@@ -7,10 +7,12 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -283,3 +285,61 @@ def image_folder(root: Path, train: int, val: int, classes: int, sizes=((32, 32)
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"{i:06d}.jpg").write_bytes(pool[label][i // classes % variants])
     return root
+
+
+def free_port() -> int:
+    """A port no one listens on, never the launchers' defaults that other tests meet at."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in (29400, 29500):
+            return port
+
+
+class Processes:
+    """``python scripts/<script>`` (or ``script``, a path) started ``count`` times as torchrun starts its
+    workers (RANK, WORLD_SIZE, MASTER_ADDR ...; gloo on the CPU), without a launcher: nothing stops the
+    others when one ends, and each one's exit status and output are its own."""
+
+    def __init__(self, script, *args, count=2, cwd: Path, env_extra=None):
+        self.logs, self.procs, port = Path(cwd), [], free_port()
+        path = ROOT / "scripts" / script  # a path joined to an absolute one is that one
+        for rank in range(count):
+            env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), OMP_NUM_THREADS="1", RANK=str(rank),
+                           LOCAL_RANK=str(rank), WORLD_SIZE=str(count), LOCAL_WORLD_SIZE=str(count),
+                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
+            with open(self.logs / f"rank{rank}.out", "w") as out, open(self.logs / f"rank{rank}.err", "w") as err:
+                self.procs.append(subprocess.Popen([sys.executable, str(path), *map(str, args)], cwd=cwd,
+                                                   env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+        self.ended: dict[int, tuple[int, float]] = {}  # rank: (exit status, time.monotonic() then)
+
+    def wait(self, timeout=240) -> list[int]:
+        """Every process's exit status (negative: the signal that ended it); those still running after
+        ``timeout`` are killed and the test fails."""
+        deadline = time.monotonic() + timeout
+        while len(self.ended) < len(self.procs):
+            for rank, proc in enumerate(self.procs):
+                if rank not in self.ended and proc.poll() is not None:
+                    self.ended[rank] = (proc.returncode, time.monotonic())
+            if time.monotonic() > deadline:
+                for proc in self.procs:
+                    proc.kill()
+                raise AssertionError(f"still running after {timeout} s: {self.output()}")
+            time.sleep(0.02)
+        return [self.ended[rank][0] for rank in range(len(self.procs))]
+
+    def spread(self) -> float:
+        """Seconds between the first process's end and the last's."""
+        times = [when for _, when in self.ended.values()]
+        return max(times) - min(times)
+
+    def stderr(self, rank: int) -> str:
+        return (self.logs / f"rank{rank}.err").read_text()
+
+    def stdout(self, rank: int) -> str:
+        return (self.logs / f"rank{rank}.out").read_text()
+
+    def output(self) -> str:
+        return "\n".join(f"--- rank {r} ({self.ended.get(r, ('running',))[0]}):\n{self.stdout(r)}{self.stderr(r)}"
+                         for r in range(len(self.procs)))

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from helpers import ROOT, user_env, weights
+from helpers import ROOT, free_port, user_env, weights
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
@@ -230,16 +229,6 @@ def test_a_job_its_scheduler_names_needs_an_output_dir(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- the pods
-
-
-def free_port() -> int:
-    """A port no one listens on, never the launchers' defaults that other tests meet at."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in (29400, 29500):
-            return port
 
 
 class Job:
