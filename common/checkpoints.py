@@ -14,9 +14,10 @@ import os
 import re
 import shutil
 import sys
-import zipfile
 import zlib
 from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import first_line
 from common.failures import agree, fail_together, from_main, why_not_written
@@ -68,30 +69,24 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     Every file in the folder must be listed in its checkpoint.json, and every file listed must be
     there with the size and the crc32 it was written with: bytes damaged since (a bad disk, a copy
     gone wrong) would otherwise load without a word, and an inf in a BatchNorm buffer trains on to
-    a finite loss. Checkpoints of earlier versions, without digests, are checked by structure: a
-    safetensors header that accounts for the whole file, the zip directory at the end of a
-    torch.save file; without checkpoint.json, against what save_state writes for the scripts: the
-    model, optimizer, scheduler, the RNG state of each process and the training progress.
+    a finite loss. A folder without that list, or a list without digests, is no checkpoint these
+    scripts wrote: it is refused like a damaged one.
     """
     checkpoint = Path(checkpoint)
     try:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
         files = {str(name): int(size) for name, size in manifest["files"].items()}
-        digests = {str(name): str(crc) for name, crc in manifest.get("crc32", {}).items()}
+        digests = {str(name): str(crc) for name, crc in manifest["crc32"].items()}
     except FileNotFoundError:
-        try:
-            files, digests = _files_save_state_writes(checkpoint), {}
-        except OSError as error:
-            return f"the folder cannot be read ({error.strerror})"
+        return f"{MANIFEST} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is unreadable"
-    else:
-        try:
-            unlisted = sorted(set(_state_files(checkpoint)) - set(files))
-        except OSError as error:
-            return f"the folder cannot be read ({error.strerror})"
-        if unlisted:
-            return f"{MANIFEST} does not list {unlisted[0]}"
+    try:
+        unlisted = sorted(set(_state_files(checkpoint)) - set(files))
+    except OSError as error:
+        return f"the folder cannot be read ({error.strerror})"
+    if unlisted:
+        return f"{MANIFEST} does not list {unlisted[0]}"
     for name, size in files.items():
         problem = _file_problem(checkpoint / name, size, digests.get(name))
         if problem:
@@ -118,65 +113,19 @@ def file_crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def _files_save_state_writes(checkpoint: Path) -> dict[str, int | None]:
-    """For a checkpoint without checkpoint.json: the files Accelerate's save_state writes for the
-    scripts (accelerate/checkpointing.py), and any other state file in the folder; sizes unknown."""
-    names = {p.name for p in checkpoint.iterdir()}
-    model = ("pytorch_model.bin" if "pytorch_model.bin" in names
-             else "model.safetensors")  # safe_serialization
-    processes = 1 + max((int(m.group(1)) for n in names
-                         if (m := re.fullmatch(r"random_states_(\d+)\.pkl", n))), default=0)
-    expected = [model, "optimizer.bin", "scheduler.bin",
-                *(f"random_states_{i}.pkl" for i in range(processes)),
-                "custom_checkpoint_0.pkl"]  # TrainProgress
-    others = sorted(n for n in names
-                    if n.endswith((".bin", ".pkl", ".pt", ".safetensors")) and n not in expected)
-    return dict.fromkeys([*expected, *others])
-
-
-def _file_problem(path: Path, size: int | None, crc: str | None) -> str | None:
+def _file_problem(path: Path, size: int, crc: str | None) -> str | None:
     try:
         actual = path.stat().st_size
-        if size is not None and actual != size:
+        if actual != size:
             return f"has {actual} bytes where {size} were written"
-        if crc is not None:
-            found = file_crc32(path)
-            return (f"is damaged (crc32 {found} where {crc} was written)" if found != crc
-                    else None)
-        with open(path, "rb") as f:
-            return _content_problem(f, actual, path.suffix)
+        if crc is None:
+            return f"has no crc32 in {MANIFEST}"
+        found = file_crc32(path)
+        return f"is damaged (crc32 {found} where {crc} was written)" if found != crc else None
     except FileNotFoundError:
         return "is missing"
     except OSError as error:
         return f"cannot be read ({error.strerror})"
-
-
-def _content_problem(f, size: int, suffix: str) -> str | None:
-    """A cut or garbled file, from its structure: the safetensors header (an 8-byte length, then
-    JSON giving every tensor's byte range) or the zip directory at the end of a torch.save file."""
-    head = f.read(8)
-    if suffix == ".safetensors":
-        length = int.from_bytes(head, "little") if len(head) == 8 else 0
-        try:
-            if not 0 < length <= size - 8:
-                raise ValueError
-            header = json.loads(f.read(length))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                      default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "is not a complete safetensors file"
-        if 8 + length + end != size:
-            return (f"is not a complete safetensors file ({size} bytes where its header gives "
-                    f"{8 + length + end})")
-    elif head.startswith(b"PK\x03\x04"):  # torch.save's format since torch 1.6
-        f.seek(0)
-        try:
-            zipfile.ZipFile(f).close()
-        except (zipfile.BadZipFile, ValueError, EOFError):
-            return "is cut short or corrupt (its zip directory does not read)"
-    elif size == 0:
-        return "is empty"
-    return None
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path:
@@ -206,7 +155,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     if failure is None:
         try:
             accelerator.save_state(str(partial))
-        except Exception as error:  # noqa: BLE001 - SafetensorError, RuntimeError, OSError ...
+        # SafetensorError, RuntimeError, OSError ..., FSDP2's CheckpointException (a BaseException)
+        except (Exception, CheckpointException) as error:  # noqa: BLE001
             failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
         # every process's files are written (or not) before the list is made
         failure = agree(accelerator, failure)
@@ -386,5 +336,4 @@ class TrainProgress:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])
-        self.tracker_run_id = state.get("tracker_run_id")
-        self.mlflow_run_id = state.get("mlflow_run_id")  # None in checkpoints from before MLflow
+        self.tracker_run_id, self.mlflow_run_id = state["tracker_run_id"], state["mlflow_run_id"]

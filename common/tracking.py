@@ -147,7 +147,9 @@ def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> t
     if offline:
         os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
     if accelerator.is_main_process and progress.tracker_run_id is None:
-        # Chosen here, not by wandb, so that it is in the first checkpoint (wandb's own id format).
+        # Chosen here, not by wandb, so that it is in the first checkpoint; wandb's own format and
+        # code: wandb.util.generate_id is gone from wandb 0.31, whose generate_id is internal
+        # (wandb.sdk.lib.runid), so the two lines are kept here rather than tied to that path.
         progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
                                           for _ in range(8))
     init = {"id": progress.tracker_run_id, "resume": "allow",

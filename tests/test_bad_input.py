@@ -105,7 +105,7 @@ CASES = {
                                                      t / "old/checkpoints/step_00000004/checkpoint.json").unlink(
                                                      missing_ok=True)),
                                                  "error: --resume: no checkpoint in {tmp}/old/checkpoints is complete "
-                                                 "(step_00000004: model.safetensors is not a complete safetensors"),
+                                                 "(step_00000004: checkpoint.json is missing"),
     "--resume a folder that is no checkpoint": (python("train_single.py"), [*SMALL, "--resume", "{tmp}/old"],
                                                 lambda t: make_run(t / "old"),
                                                 "error: --resume {tmp}/old: not a checkpoint folder"),

@@ -104,14 +104,21 @@ def test_damaged_bytes_are_skipped_for_the_older_checkpoint(base, copy, name):
     assert checkpoint_problem(newest) is None  # written again, whole
 
 
-def test_a_checkpoint_without_digests_that_does_not_load_falls_back(base, copy):
-    """A checkpoint of an earlier version (sizes only) with a garbled scheduler.bin passes the
-    checks and fails to load: the older one is loaded over whatever the failed load changed."""
+def relist(checkpoint: Path):
+    """checkpoint.json written again for the bytes on disk: damage done before the files were
+    listed, which their digests cannot see."""
+    manifest = json.loads((checkpoint / "checkpoint.json").read_text())
+    manifest["files"] = {name: (checkpoint / name).stat().st_size for name in manifest["files"]}
+    manifest["crc32"] = {name: f"{zlib.crc32((checkpoint / name).read_bytes()):08x}" for name in manifest["files"]}
+    (checkpoint / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def test_a_listed_checkpoint_that_does_not_load_falls_back(base, copy):
+    """A garbled scheduler.bin listed with its garbled bytes' digest passes the checks and fails
+    to load: the older one is loaded over whatever the failed load changed."""
     newest = copy / "checkpoints" / step(8)
-    manifest = json.loads((newest / "checkpoint.json").read_text())
-    del manifest["crc32"]
-    (newest / "checkpoint.json").write_text(json.dumps(manifest))
     garble(newest / "scheduler.bin")
+    relist(newest)
     assert checkpoint_problem(newest) is None
     (copy / "model.safetensors").unlink()
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
@@ -123,15 +130,13 @@ def test_a_checkpoint_without_digests_that_does_not_load_falls_back(base, copy):
 
 
 def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(copy, tmp_path):
-    """--resume RUN/checkpoints/step_N names the checkpoint to load: when it does not load (an earlier
-    version's, without digests, with a garbled scheduler.bin), one line names a complete one to pass
-    instead, and nothing of the run changes."""
+    """--resume RUN/checkpoints/step_N names the checkpoint to load: when it does not load (a
+    garbled scheduler.bin listed with its digest), one line names a complete one to pass instead,
+    and nothing of the run changes."""
     (copy / "model.safetensors").unlink()  # stopped after step 8, say
     newest = copy / "checkpoints" / step(8)
-    manifest = json.loads((newest / "checkpoint.json").read_text())
-    del manifest["crc32"]
-    (newest / "checkpoint.json").write_text(json.dumps(manifest))
     garble(newest / "scheduler.bin")
+    relist(newest)
     before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--resume", newest, check=False, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
@@ -145,16 +150,13 @@ def test_a_checkpoint_of_one_parameter_group_is_said_to_be_of_an_earlier_version
     """Checkpoints written before bias and norm parameters got their own group (no weight decay)
     hold one group: every checkpoint of such a run has it, so no older one is tried and nothing is
     called damaged. The real bytes: each optimizer.bin rewritten with its groups merged, the
-    manifest written for them, as that version wrote it."""
+    manifest written for them."""
     for checkpoint in sorted((copy / "checkpoints").iterdir()):
         state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
         merged = {**state["param_groups"][0], "params": sorted(i for g in state["param_groups"] for i in g["params"])}
         state["param_groups"] = [merged]
         torch.save(state, checkpoint / "optimizer.bin")
-        manifest = json.loads((checkpoint / "checkpoint.json").read_text())
-        manifest = {k: v for k, v in manifest.items() if k != "crc32"}  # an earlier version: sizes only
-        manifest["files"]["optimizer.bin"] = (checkpoint / "optimizer.bin").stat().st_size
-        (checkpoint / "checkpoint.json").write_text(json.dumps(manifest))
+        relist(checkpoint)
     (copy / "model.safetensors").unlink()
     before = tree_digest(copy)
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
@@ -172,7 +174,7 @@ def test_a_manifest_listing_nothing_is_damaged(base, copy):
     """checkpoint.json rewritten to list no file: the checkpoint is damaged, not empty; the resume
     falls back to the one before and ends with the uninterrupted run's weights."""
     newest = copy / "checkpoints" / step(8)
-    (newest / "checkpoint.json").write_text('{"step": 8, "files": {}}')
+    (newest / "checkpoint.json").write_text('{"step": 8, "files": {}, "crc32": {}}')
     assert checkpoint_problem(newest) == "checkpoint.json does not list custom_checkpoint_0.pkl"
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
     assert diagnostics(done.stderr) == [

@@ -56,7 +56,7 @@ class OtherProcessSignalled(FakeAccelerator):
 def checkpoints(folder, *steps):
     for step in steps:
         (folder / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
-        (folder / "checkpoints" / f"step_{step:08d}" / "checkpoint.json").write_text('{"files": {}}')
+        (folder / "checkpoints" / f"step_{step:08d}" / "checkpoint.json").write_text('{"files": {}, "crc32": {}}')
 
 
 # ------------------------------------------------------------------------------ non-finite loss
