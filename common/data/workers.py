@@ -141,10 +141,14 @@ def default_workers(processes_per_node: int = 1) -> int:
 class _WorkerInit:
     """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
     transform added that draws from them (ours draw per sample and do not need it), and keeps the
-    worker alive through the job's stop signals: SLURM signals every process of a job, and a worker
-    that died of one would fail the step the training process finishes before it saves
-    (common.step_guard.StepGuard). SIGTERM still ends a worker once its training process is exiting
-    (``_exiting``): multiprocessing terminates the workers left then, and waits for them."""
+    worker alive through the job's stop signals. DataLoader seeds all three itself, but from
+    base_seed + worker, base_seed drawn from the training process's torch generator, which
+    set_seed(args.seed) makes the same on every process: worker k of each process then draws the
+    same numbers (checked, torch 2.14), so the process is added here. The signals: SLURM signals
+    every process of a job, and a worker that died of one would fail the step the training
+    process finishes before it saves (common.step_guard.StepGuard). SIGTERM still ends a worker
+    once its training process is exiting (``_exiting``): multiprocessing terminates the workers
+    left then, and waits for them."""
 
     def __init__(self, seed: int, process: int):
         self.seed, self.process, self.exiting = seed, process, _exiting()
