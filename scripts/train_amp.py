@@ -14,6 +14,8 @@ train_ddp.py, each tagged "# AMP:" (docs/diffs/train_amp.diff):
   the forward pass, which the loss scale does not change;
 - fp16 on a CPU is refused: Accelerate would train in fp32 without a word; bf16 on a CPU works.
 
+The calls marked "# ALL" are train_ddp.py's: every process must make them, in the same order.
+
 In the source articles fp16 gave 1.24x on top of DataParallel on 4 V100s (1.23 to 0.99 ms per
 image at batch 512); DDP with AMP on 4 A100s took 6.5 s an epoch against 6.1 s without, at a batch
 too small to gain. On the 2-core CPU of docs/benchmark a plain ResNet-18 loop ran 2.47x faster in

@@ -20,7 +20,15 @@ how the tests check it. Changes from train_single.py, each tagged "# DDP:"
   processes than GPUs is refused;
 - augmentation seeded per process, the train loss averaged over processes. Evaluation was already
   exact (gather_for_metrics drops the padding duplicates) and files are written by the main
-  process only.
+  process only;
+- where DDP happens, said at the line: Accelerator() makes the process group, prepare() wraps the
+  model in DistributedDataParallel (the main process's weights copied to every process) and gives
+  each process its slice of every batch, accumulate() skips the gradients' all-reduce (no_sync)
+  on all but the last micro-batch of a step.
+
+Every call marked "# ALL" is a collective or makes one (all-reduce, gather, broadcast, barrier,
+save_state): every process must make it, in the same order. One put under
+`if accelerator.is_main_process:` leaves the other processes waiting in it until --dist-timeout.
 
 Launch (one node; --num_processes overrides the config's count):
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_ddp.py

@@ -30,6 +30,9 @@ and no mixed precision: Accelerate's autocast is bound to the model that prepare
 replica would call, so DataParallel needs autocast inside each replica's thread and a hand-driven
 GradScaler, a second way to teach AMP; scripts/train_amp.py teaches it once, on DDP.
 
+The calls marked "# ALL" (train_single.py's docstring) are collectives with several processes; in
+this one process they are plain calls, marked so that the script reads as the others do.
+
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
 DataParallel wrapper has `module.` in front of every key and does not load into a plain model
@@ -282,8 +285,9 @@ def main(args):
                 # DP: evaluated on all the GPUs
                 result = evaluate(parallel_model, test_loader, transform, accelerator,  # ALL
                                   data.num_classes)
-                averaged = ema.evaluate(parallel_model, test_loader, transform,  # ALL
-                                        accelerator, data.num_classes)  # {} when off
+                # DP: the weight average too
+                averaged = ema.evaluate(parallel_model, test_loader, transform, accelerator,  # ALL
+                                        data.num_classes)  # {} when off
                 record_epoch(accelerator, output_dir, progress.history, {
                     "epoch": epoch + 1, "epochs": args.epochs, "epoch_complete": epoch_complete,
                     "step": progress.step, "batch_size": args.batch_size, "lr": lr, **figures,

@@ -23,7 +23,12 @@ each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
   parameters only and, unlike DDP, never syncs buffers;
 - model.safetensors from the full weights, gathered from every process (a collective), so
   evaluate.py reads it as any other script's. Objects registered for checkpointing (the run's
-  progress) are written by the main process only: they are the same on every process here.
+  progress) are written by the main process only: they are the same on every process here;
+- where sharding happens, said at the line: prepare() shards the model, accumulate() holds the
+  gradients' reduce-scatter back on all but the last micro-batch of a step.
+
+Every call marked "# ALL" is a collective or makes one, as in train_ddp.py; under FSDP2 the
+forward (all-gathers) and backward (reduce-scatters) too: every process must make them in order.
 
 fp32 only, like train_ddp.py. Mixed precision under FSDP2 needs fp32 parameters and reduction
 (a bf16 parameter policy breaks BatchNorm) and an autocast around the forward and the loss, which

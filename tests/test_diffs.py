@@ -1,6 +1,7 @@
 """The diffs in docs/diffs/ are the lesson: they match the scripts, teach their strategy and nothing
 else (held to a size), and every change says why with a tag."""
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -74,3 +75,45 @@ def test_no_tag_is_bare(script):
         for tag in re.findall(rf"#\s*({'|'.join(TAGS)})\b(?!: \S)", line):
             if '"' not in line.split("#")[0] or "tagged" not in line:  # the docstring names the tags
                 pytest.fail(f"scripts/{script}.py:{number}: bare '# {tag}' tag: {line.strip()}")
+
+
+MAIN_LINES = 130  # main() of each training script: the loop and the steps around it, on a few screens
+
+
+@pytest.mark.parametrize("script", ["train_single", *PAIRS])
+def test_main_fits_its_cap(script):
+    """main() stays readable: self-contained steps go into functions of their own (set_up,
+    load_data, make_model, ...), the training loop stays in main()."""
+    tree = ast.parse((ROOT / "scripts" / f"{script}.py").read_text())
+    (main,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main"]
+    lines = main.end_lineno - main.lineno + 1
+    assert lines <= MAIN_LINES, f"{script}.py's main() has {lines} lines; the cap is {MAIN_LINES}"
+
+
+# The lines where each strategy happens, said at that line: (script, the call, its tag, a word the
+# note must name). Accelerator() makes the process group (its '# ALL' comment says so).
+WHERE = [("train_ddp", "accelerator.prepare", "DDP", "DistributedDataParallel"),
+         ("train_ddp", "accelerator.accumulate", "DDP", "no_sync"),
+         ("train_amp", "accelerator.prepare", "DDP", "DistributedDataParallel"),
+         ("train_amp", "accelerator.accumulate", "DDP", "no_sync"),
+         ("train_fsdp", "accelerator.prepare", "FSDP", "fully_shard"),
+         ("train_fsdp", "accelerator.accumulate", "FSDP", "reduce-scatter"),
+         *((script, "Accelerator", "ALL", "process group") for script in ["train_single", *PAIRS])]
+
+
+@pytest.mark.parametrize("script, call, tag, word", WHERE)
+def test_the_strategy_is_said_where_it_happens(script, call, tag, word):
+    """The comment on the line of ``call`` and those right above it carry '# TAG:' and name
+    ``word``: a reader of the script sees the strategy at the line where it acts."""
+    text = (ROOT / "scripts" / f"{script}.py").read_text()
+    lines = text.splitlines()
+    (at,) = [node.lineno - 1 for node in ast.walk(ast.parse(text))
+             if isinstance(node, ast.Call) and ast.unparse(node.func) == call]
+    note = ["#" + lines[at].split("#", 1)[1] if "#" in lines[at] else ""]
+    for line in reversed(lines[:at]):
+        if not line.strip().startswith("#"):
+            break
+        note.insert(0, line.strip())
+    note = " ".join(note)
+    assert f"# {tag}:" in note and word in note, (
+        f"{script}.py: the comment at {call}() should say '# {tag}: ...' naming {word}: {note!r}")
