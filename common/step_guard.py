@@ -24,6 +24,9 @@ from common.failures import end_tracking_failed, watch_failures
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: stopped to be continued, not failed
 DIVERGED_EXIT_CODE = 1
+# A loss this many times the first one read has blown up: the checkpoints written from that step on
+# hold weights that a lower --lr cannot bring back, and the advice after a NaN passes them over.
+GROWN = 10
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,6 +67,8 @@ class StepGuard:
         self.pending = None  # (step, sums on their way to the host, event that marks their arrival)
         self.received = None  # the first stop signal this process got, by name
         self.stop = None  # the Stop the processes agreed on
+        self.first_loss = None  # the first step's loss this process read, and the first step
+        self.grew = None  # (step, loss) whose loss was GROWN times that: the weights blew up
 
     def install_signal_handlers(self) -> None:
         """SIGTERM, SIGUSR1, SIGINT (Ctrl-C: no KeyboardInterrupt) and SIGHUP set a flag that
@@ -127,16 +132,37 @@ class StepGuard:
             arrived.synchronize()
         loss, signalled = total.tolist()
         if math.isfinite(loss):
+            self.first_loss = self.first_loss or loss
+            if self.grew is None and loss > GROWN * self.first_loss:
+                self.grew = (step, loss)
             return self._signal_stop() if signalled > 0 else None
-        checkpoint = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
-        # Advice that works when followed (tests/test_faults_signals.py): --lr may change on resume.
-        then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower --lr (the "
-                f"same command with --resume and the new --lr); if the loss had grown large before "
-                f"it, start again with a lower --lr in a new --output-dir" if checkpoint else
-                "there is no checkpoint yet: start again with a lower --lr (the same command with "
-                "--resume and the new --lr starts the run again from step 0)")
         return Stop(False, f"error: the loss is {loss} at step {step}: training stopped and "
-                           f"nothing of that step was saved; {then}")
+                           f"nothing of that step was saved; {self._advice()}")
+
+    def _advice(self) -> str:
+        """What to do after a non-finite loss, such that doing it finishes the run (tests/
+        test_faults_signals.py): resume from a checkpoint written before the loss grew, with a
+        lower --lr (it may change on resume), or start again."""
+        newest = latest_good_checkpoint(self.output_dir)[0]  # checked: one to resume from
+        if newest is None:
+            return ("there is no checkpoint yet: start again with a lower --lr (the same command "
+                    "with --resume and the new --lr starts the run again from step 0)")
+        if self.grew is None:
+            return (f"the last good checkpoint is {newest}: resume from it with a lower --lr (the "
+                    f"same command with --resume and the new --lr)")
+        step, loss = self.grew
+        grew = f"the loss grew from {self.first_loss:.4g} to {loss:.4g} at step {step}"
+        # step N's loss is that of the weights after step N - 1: those had blown up already
+        before = latest_good_checkpoint(self.output_dir, up_to=step - 2)[0]
+        if before == newest:  # none written since
+            return (f"{grew}; the last good checkpoint, from before it, is {newest}: resume from it "
+                    f"with a lower --lr (the same command with --resume and the new --lr)")
+        if before:  # in place, the newer checkpoints would be resumed from, and the record forked
+            return (f"{grew}, so the checkpoints since hold weights that blew up; the last one "
+                    f"before is {before}: continue from it with a lower --lr (the same command "
+                    f"with --resume {before} --output-dir NEW and the new --lr)")
+        return (f"{grew}, and no checkpoint of this run is from before it: start again with a "
+                f"lower --lr in a new --output-dir")
 
 
 def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -> int:

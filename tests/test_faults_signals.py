@@ -144,32 +144,69 @@ def last_error(stderr: str) -> str:
     return lines[-1]
 
 
+def follow(error: str, out: Path, tmp_path, *flags, lr="0.05") -> tuple[subprocess.CompletedProcess, Path]:
+    """A diverged run's advice done as printed, with ``--lr lr``: the run it gives, and its folder."""
+    new = tmp_path / f"new{len(list(tmp_path.glob('new*')))}"
+    if found := re.search(r"\(the same command with --resume (\S+) --output-dir NEW and the new --lr\)$", error):
+        return finish(SINGLE, tmp_path, *flags, "--resume", found.group(1), "--output-dir", new, "--lr", lr), new
+    if re.search(r"\(the same command with --resume and the new --lr( starts the run again from step 0)?\)$", error):
+        return finish(SINGLE, tmp_path, *flags, "--output-dir", out, "--resume", "--lr", lr), out
+    if error.endswith(": start again with a lower --lr in a new --output-dir"):
+        return finish(SINGLE, tmp_path, *flags, "--output-dir", new, "--lr", lr), new
+    raise AssertionError(f"no advice to follow: {error}")
+
+
 def test_the_advice_after_a_diverged_run_works_when_followed(tmp_path):
-    """A run resumed with far too high an lr diverges after its checkpoint: the error names the
-    checkpoint and says to resume from it with a lower --lr; doing so finishes the run, with the
-    schedule scaled to the new peak from the step it was at."""
+    """A run resumed with far too high an lr diverges: the error names the checkpoint it resumed from,
+    the last written before the loss grew, and says to resume from it with a lower --lr; doing so
+    finishes the run, with the schedule scaled to the new peak from the step it was at."""
     out = tmp_path / "run"
     assert finish(SINGLE, tmp_path, "--output-dir", out, "--max-steps", 8).returncode == 0
     diverged = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "1e9")
     assert diverged.returncode == 1
     error = last_error(diverged.stderr)
-    assert re.fullmatch(rf"error: the loss is (nan|inf) at step \d+: .*the last good checkpoint is "
-                        rf"{re.escape(str(out))}/checkpoints/step_00000008: resume from it with a lower "
-                        rf"--lr.*", error), error
-    followed = finish(SINGLE, tmp_path, "--output-dir", out, "--resume", "--lr", "0.05")
-    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert re.fullmatch(rf"error: the loss is (nan|inf) at step \d+: .*the last good checkpoint(, from before it,)? "
+                        rf"is {re.escape(str(out))}/checkpoints/step_00000008: resume from it with a lower --lr "
+                        rf"\(the same command with --resume and the new --lr\)", error), error
+    followed, where = follow(error, out, tmp_path)
+    assert followed.returncode == 0 and where == out, followed.stderr[-3000:]
     assert "--lr changed on resume: the schedule's peak lr is 0.05 (it was 0.1)" in followed.stdout
     assert "done: step 16" in followed.stdout and all_finite(out)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["lr"] == pytest.approx(0.05 / 25 / 1e4, rel=0.2)  # one-cycle's floor of the new peak
-    # its other branch, for a loss that had grown before the checkpoint: a new start, elsewhere (a new run
-    # with --lr: every run of the suite is one)
-    assert error.endswith("if the loss had grown large before it, start again with a lower --lr in a new --output-dir")
     # fp16's advice after 100 skipped steps (a GPU's; its form here): an older checkpoint of the run,
     # continued in a new folder with a lower --lr and --clip-grad.
     elsewhere = finish(SINGLE, tmp_path, "--resume", out / "checkpoints" / "step_00000008", "--output-dir",
                        tmp_path / "new", "--lr", "0.05", "--clip-grad", "1")
     assert elsewhere.returncode == 0 and "done: step 16" in elsewhere.stdout, elsewhere.stderr[-3000:]
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["from-the-start", "resumed"])
+def test_the_advice_passes_over_checkpoints_written_after_the_loss_grew(resumed, tmp_path):
+    """--lr 1e9 with a checkpoint every step: the steps before the NaN have finite, huge losses and
+    their checkpoints hold weights that no lower --lr brings back. The advice names the last
+    checkpoint from before the loss grew (continued in a new folder) or, with none, a new start;
+    followed as printed, the run finishes with finite weights."""
+    out = tmp_path / "run"
+    if resumed:
+        assert finish(SINGLE, tmp_path, "--output-dir", out, "--max-steps", 8).returncode == 0
+    diverged = finish(SINGLE, tmp_path, "--output-dir", out, *(["--resume"] if resumed else []), "--lr", "1e9",
+                      "--checkpoint-every", 1, "--keep-checkpoints", 20)
+    assert diverged.returncode == 1
+    error = last_error(diverged.stderr)
+    grew = re.search(r"the loss grew from [\d.e+-]+ to [\d.e+-]+ at step (\d+)", error)
+    assert grew, error
+    written = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+    assert max(written) >= int(grew.group(1)) - 1, written  # checkpoints of blown-up weights exist
+    if resumed:
+        assert error.endswith(f"continue from it with a lower --lr (the same command with --resume "
+                              f"{out}/checkpoints/step_00000008 --output-dir NEW and the new --lr)"), error
+    else:
+        assert error.endswith("no checkpoint of this run is from before it: start again with a lower --lr in a "
+                              "new --output-dir"), error
+    followed, where = follow(error, out, tmp_path)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "done: step 16" in followed.stdout and all_finite(where)
 
 
 def test_the_advice_when_no_checkpoint_was_written_works_when_followed(tmp_path):
