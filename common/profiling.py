@@ -130,7 +130,12 @@ def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
     """torch.profiler's ops (``events``) grouped by what the training loop in ``script`` called to
     run them (the frame below the loop's in each op's Python stack: the model's forward, the
     backward, the optimizer, the augmentation, the stop check ...): ops called per step, self CPU
-    and self GPU time (microseconds) per step, most costly first. None without stacks."""
+    and self GPU time (microseconds) per step, most costly first. None without stacks.
+
+    Not torch's ``key_averages(group_by_stack_n=N)``: it keys each op by its N innermost frames
+    (torch/nn/modules/linear.py, torch/_ops.py: every layer of the model alike), not by what the
+    loop called, and it needs the same verbose config (checked, torch 2.14: without it every op's
+    stack is empty, with_stack=True or not)."""
     rows = defaultdict(lambda: [0, 0.0, 0.0])
     for event in events:
         if not event.name.startswith(("aten::", "cuda", "autograd::engine")) or \
