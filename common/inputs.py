@@ -1,6 +1,7 @@
 """The training scripts' input path, device or workers (--loader), chosen and built in one call.
 
-    data = load_inputs(data_options(args), accelerator)   # common.cli.data_options
+    weights, data = load_data(args, accelerator, checkpoint)  # --pretrained's file, the loaders
+    data = load_inputs(data_options(args), accelerator)   # common.data_flags.data_options
     data.train_loader, data.test_loader   # batches of uint8 (B, 3, N, N) images and int64 labels
     data.transform.train(images, seed)    # to normalised float on the device (+ augmentation)
 
@@ -31,8 +32,10 @@ from common.data.sources import open_source
 from common.data.stats import channel_stats, sample_stats
 from common.data.transform import BatchTransform
 from common.data.workers import default_workers, report_bad_images, worker_loader
+from common.data_flags import data_options
 from common.errors import UserError
 from common.failures import refused_together
+from common.pretrained import find_weights
 
 
 @dataclasses.dataclass
@@ -80,6 +83,17 @@ class Inputs:
             workers = f", {self.workers} {'worker' if self.workers == 1 else 'workers'} per process"
         return (f"{self.image_size}px ({self.interpolation}), loader {self.loader}{workers} "
                 f"({self.why})")
+
+
+def load_data(args, accelerator, checkpoint) -> tuple:
+    """A training run's data: the file of the pretrained weights it starts from (--pretrained,
+    --pretrained-path; None without), which sets the input size and normalisation, and its
+    Inputs (load_inputs). A collective: every process must call it."""
+    # found now, one line if it is missing; a resumed run (``checkpoint``) needs only what the run
+    # recorded of them: the checkpoint holds the weights
+    weights = refused_together(accelerator, find_weights, args.model, args.pretrained,
+                               args.pretrained_path, checkpoint)
+    return weights, load_inputs(data_options(args, weights), accelerator)
 
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:

@@ -16,6 +16,8 @@ every epoch's metrics.jsonl row, at the global optimizer step.
   MLFLOW_TRACKING_URI is set, which then wins: MLflow's own default would put the store in the
   working directory. The run id is kept in the training state, as wandb's is.
 
+``start_run`` writes a run's config.json, starts its trackers and prints its first line.
+
 A tracker whose package is not installed is one warning line naming the pip command (Accelerate
 alone would drop it with a debug message). A tracking failure, a wandb or MLflow server that does
 not answer in time (START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, prints one warning and
@@ -34,10 +36,10 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
-from common.run_record import flat_config, write_metrics
+from common.run_record import flat_config, write_config, write_metrics
 from common.utilisation import GpuBusy, process_gpus, utilisation_figures
+from common.utilisation import GB, peak_memory  # noqa: F401 - GPU figures, offered here too
 
-GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 DEFAULT_PROJECT = "multigpu-cifar"
 # Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
 # the other processes of a job wait for the main one meanwhile, so it must stay well under
@@ -132,6 +134,18 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     if accelerator.is_main_process and "mlflow" in names:  # MLflow chose it: kept for --resume
         progress.mlflow_run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
     _say_where(accelerator, names, output_dir, project, offline)
+
+
+def start_run(accelerator, script: str, args, config: dict, output_dir: Path, progress,
+              where: str, data_line: str) -> None:
+    """A run's start: config.json (once per run, common.run_record.write_config), its trackers
+    started or continued (start_tracking, with --wandb-project, --run-name, --wandb-tags and
+    --wandb-group from ``args``) and its first line (start_line). A collective: every process
+    must call it."""
+    write_config(accelerator, output_dir, config)
+    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
+                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
+    accelerator.print(start_line(script, where, config, data_line, output_dir))
 
 
 def _name(tracker) -> str:
@@ -380,13 +394,3 @@ class DataWait:
         event.record()
         return event
 
-
-def peak_memory(accelerator) -> dict[str, list[float]]:
-    """Peak memory allocated on each process's GPU since the last call, in GB, one value per
-    process (gathered, so every process must call it); empty on a CPU."""
-    if accelerator.device.type != "cuda":
-        return {}
-    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB],
-                        device=accelerator.device)
-    torch.cuda.reset_peak_memory_stats(accelerator.device)
-    return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}

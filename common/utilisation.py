@@ -6,7 +6,8 @@ ran on the GPU; it is read every SAMPLE_SECONDS through torch.cuda.utilization (
 package) and averaged over the epoch. A process of a DDP job reads its own GPU and the job's
 figures are gathered (one value per GPU, in process order); a lone process reads every GPU it can
 see, so DataParallel's replicas are all there. Where there is no GPU, or no NVML, ``why_absent``
-says why, in the field metrics.jsonl then holds instead (gpu_util_absent).
+says why, in the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each
+process's peak of allocated GPU memory (peak_memory).
 """
 
 import threading
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from common.errors import first_line
 
 SAMPLE_SECONDS = 0.5
+GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 
 
 class GpuBusy:
@@ -83,3 +85,14 @@ def utilisation_figures(busy: GpuBusy) -> dict:
         mine = [value for values in everyone for value in values]
     why = next((value for value in mine if isinstance(value, str)), None)
     return {"gpu_util_absent": why} if why else {"gpu_util_pct": mine}
+
+
+def peak_memory(accelerator) -> dict[str, list[float]]:
+    """Peak memory allocated on each process's GPU since the last call, in GB, one value per
+    process (gathered, so every process must call it); empty on a CPU."""
+    if accelerator.device.type != "cuda":
+        return {}
+    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / GB],
+                        device=accelerator.device)
+    torch.cuda.reset_peak_memory_stats(accelerator.device)
+    return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}

@@ -45,30 +45,22 @@ from tqdm.auto import tqdm
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
 from common.compiling import compile_plugin
-from common.data_flags import data_options
 from common.ema import WeightAverage
 from common.evaluation import evaluate
 from common.failures import refused_together
-from common.inputs import load_inputs
+from common.inputs import load_data
 from common.launch import check_launch, launch_record, set_gpu_sharing
 from common.models import build_model
 from common.numerics import choose_mixed_precision, set_numerics
 from common.optim import build_optimizer, build_scheduler, set_peak_lr
 from common.output import survive_closed_output
-from common.pretrained import find_weights, fine_tune
+from common.pretrained import fine_tune
 from common.profiling import StepProfiler
 from common.run_folder import lock_run_and_find_resume
-from common.run_record import done_line, run_config, write_config
+from common.run_record import done_line, run_config
 from common.step_guard import SkippedSteps, StepGuard, announce_stop
-from common.tracking import (
-    EpochMeter,
-    StepLogger,
-    installed_trackers,
-    peak_memory,
-    record_epoch,
-    start_line,
-    start_tracking,
-)
+from common.tracking import EpochMeter, StepLogger, installed_trackers, record_epoch, start_run
+from common.utilisation import peak_memory
 from common.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
@@ -112,17 +104,6 @@ def set_up(args) -> Accelerator:
     return accelerator
 
 
-def load_data(args, accelerator, checkpoint):
-    """The pretrained weights' file (None: none) and the data: loaders, augmentation, record."""
-    # --pretrained, --pretrained-path: the weights' file, found now (one line if it is missing;
-    # a resumed run needs only what the run recorded of them: the checkpoint holds the weights)
-    weights = refused_together(accelerator, find_weights, args.model, args.pretrained,  # ALL
-                               args.pretrained_path, checkpoint)
-    # --loader device: decoded once, kept and augmented on the device; workers: per sample, any size
-    # (with pretrained weights at their input size, normalised with their mean and std)
-    return weights, load_inputs(data_options(args, weights), accelerator)  # ALL
-
-
 def make_model(args, accelerator, data, weights):
     """--model for the data's classes and image size, with the pretrained ``weights`` if any: the
     model, and what fine-tuning records of them."""
@@ -152,14 +133,6 @@ def optimizer_and_schedule(args, model, batches: int):
     scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
                                 args.warmup_epochs, args.milestones)
     return optimizer, scheduler, peak_lr, steps_per_epoch, total_steps
-
-
-def start_run(accelerator, args, config, output_dir, progress, where: str, data_line: str):
-    """config.json (once per run), the trackers started or continued, the run's first line."""
-    write_config(accelerator, output_dir, config)  # ALL
-    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,  # one
-                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)  # run per job
-    accelerator.print(start_line(SCRIPT, where, config, data_line, output_dir))
 
 
 def main(args):
@@ -198,7 +171,7 @@ def main(args):
     resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # ALL: if there is one
     set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
     where = f"{accelerator.num_processes} x {accelerator.device}"  # DDP: all of them
-    start_run(accelerator, args, config, output_dir, progress, where, data.line)  # ALL
+    start_run(accelerator, SCRIPT, args, config, output_dir, progress, where, data.line)  # ALL
 
     # ----------------------------------------------------------------------------------- train
     stop_step = min(total_steps, args.max_steps or total_steps)

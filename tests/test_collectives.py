@@ -33,14 +33,14 @@ ONE_PROCESS = re.compile(r"\bis_(local_)?main_process\b|\bprocess_index\b|\brank
 # methods of common/ classes as Class.method, Accelerate's as accelerator.method, and the scripts'
 # own functions that make one. Checked against the code below; the step (accumulate) is apart.
 COLLECTIVES = {
-    "lock_run_and_find_resume", "refused_together", "load_inputs", "resume_from", "write_config",
+    "lock_run_and_find_resume", "refused_together", "load_data", "resume_from", "start_run",
     "check_launch", "evaluate", "peak_memory", "save_final_weights", "announce_stop",
     "average_buffers", "gathered_model",
     "StepGuard.check", "StepGuard.signalled", "Checkpointer.save", "WeightAverage.update",
     "WeightAverage.evaluate", "EpochMeter.figures",
     "Accelerator", "accelerator.prepare", "accelerator.reduce",
     "accelerator.backward", "accelerator.clip_grad_norm_",  # in the step, marked by its `with`
-    "set_up", "load_data", "make_model", "start_run",
+    "set_up", "make_model",  # the scripts' own
 }
 STEP = "accelerator.accumulate"  # its block is the step: forward and backward on every process
 
@@ -258,10 +258,12 @@ def test_the_reading_of_common_knows_its_collectives():
     """Spot checks of the call graph: direct and indirect collectives, and functions that are
     not."""
     for name in ("agree", "from_main", "fail_together", "save_checkpoint", "mean_over_processes",
-                 "utilisation_figures", "whole", "WeightAverage.state_dict"):
+                 "write_config", "load_inputs", "utilisation_figures", "whole",
+                 "WeightAverage.state_dict"):
         assert name in COMMON.reaching, name
-    for name in ("record_epoch", "start_tracking", "build_model", "set_peak_lr", "why_not_written",
-                 "StepLogger.log", "SkippedSteps.figures", "SkippedSteps.count", "Stop.exit_code"):
+    for name in ("record_epoch", "start_tracking", "start_line", "build_model", "set_peak_lr",
+                 "why_not_written", "StepLogger.log", "SkippedSteps.figures", "SkippedSteps.count",
+                 "Stop.exit_code"):
         assert name not in COMMON.reaching, name
 
 
