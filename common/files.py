@@ -82,3 +82,14 @@ def check_folder(flag: str, path: str | None) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: must be a folder you can write in, but {existing} is not "
                         f"writable; choose another {flag}")
+
+
+def check_file(flag: str, path: Path, then: str) -> None:
+    """A file flag naming a folder or nothing: one line saying which, and ``then`` (what to pass)."""
+    path = Path(path)
+    if path.is_dir():
+        weights = sorted(p.name for p in path.glob("*.safetensors"))[:1]
+        raise UserError(f"{flag} {path}: is a folder, not a file"
+                        f"{f' (it holds {weights[0]})' if weights else ''}; {then}")
+    if not path.is_file():
+        raise UserError(f"{flag} {path}: no such file; {then}")

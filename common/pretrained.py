@@ -40,8 +40,9 @@ import torch
 
 from common.data.images import INTERPOLATIONS
 from common.errors import UserError, first_line
+from common.files import check_file
 from common.models import TIMM_PREFIX, TORCHVISION_PREFIX, classifier_name
-from common.weights import load_weights, read_metadata
+from common.weights import load_weights, non_finite, read_metadata
 
 # Seconds a download of torchvision's weights may wait for the network at each step (connect,
 # read) before --pretrained gives up with its line; the Hub has its own (HF_HUB_ETAG_TIMEOUT).
@@ -100,15 +101,12 @@ def find_weights(model: str, pretrained: bool, path: str | None,
                  checkpoint: Path | None = None) -> Weights | None:
     """The weights --pretrained or --pretrained-path name for --model ``model``, found or
     downloaded now, so that a run without them stops before it loads any data (a UserError). A run
-    resuming ``checkpoint`` whose file is gone (a cleaned cache, another machine) goes on with what
-    its config.json recorded of them: the checkpoint holds the trained weights."""
-    try:
-        return _find_weights(model, pretrained, path)
-    except UserError:
-        recorded = _recorded_weights(checkpoint)
-        if recorded is None:
-            raise
+    resuming ``checkpoint`` does not read them: the checkpoint holds the trained weights, and its
+    config.json what the run recorded of them (the file may be gone by then, a cleaned cache or
+    another machine, or damaged: no other file would be accepted on resume)."""
+    if (pretrained or path) and (recorded := _recorded_weights(checkpoint)) is not None:
         return recorded
+    return _find_weights(model, pretrained, path)
 
 
 def _recorded_weights(checkpoint: Path | None) -> Weights | None:
@@ -129,9 +127,7 @@ def _recorded_weights(checkpoint: Path | None) -> Weights | None:
 def _find_weights(model: str, pretrained: bool, path: str | None) -> Weights | None:
     if path is not None:
         file = Path(path).expanduser()
-        if not file.is_file():
-            raise UserError(f"--pretrained-path {path}: no such file; pass a safetensors file or a "
-                            f"torch state dict")
+        check_file("--pretrained-path", file, "pass a safetensors file or a torch state dict")
         return Weights(file, "--pretrained-path", **_inputs_of_file(file, model))
     if not pretrained:
         return None
@@ -193,7 +189,11 @@ def _torchvision_weights(name: str) -> Weights:
         timeout = socket.getdefaulttimeout()
         try:  # torch.hub's urlopen has no timeout of its own: a silent network would hang it
             socket.setdefaulttimeout(DOWNLOAD_TIMEOUT)
-            torch.hub.load_state_dict_from_url(default.url, progress=False, check_hash=True)
+            # load_state_dict_from_url's own "Downloading: ..." line would come before ours
+            file.parent.mkdir(parents=True, exist_ok=True)
+            digest = torch.hub.HASH_REGEX.search(file.name)
+            torch.hub.download_url_to_file(default.url, str(file), digest and digest.group(1),
+                                           progress=False)  # to a temporary file, then renamed
         except Exception as error:  # noqa: BLE001 - offline, unreachable, a bad download
             raise UserError(
                 f"--pretrained: the weights of torchvision:{name} ({default}) are not at {file} "
@@ -241,8 +241,9 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     in the same line, as warnings."""
     if weights is None:
         return {}
-    loaded = (f"weights of {weights.source} not read ({weights.file} is gone): the checkpoint "
-              f"resumed holds the trained ones" if weights.recorded_only
+    gone = "" if weights.file.is_file() else f" ({weights.file} is gone)"
+    loaded = (f"weights of {weights.source} not read{gone}: the checkpoint resumed holds the "
+              f"trained ones" if weights.recorded_only
               else load_pretrained(model, weights, model_name, num_classes))
     done = {**weights.config, "loaded": loaded}
     if weights.input_size and image_size != weights.input_size:
@@ -267,6 +268,9 @@ def load_pretrained(model: torch.nn.Module, weights: Weights | None, model_name:
         return None
     flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
     state, own = load_weights(weights.file, flag), model.state_dict()
+    if bad := non_finite(state):  # else the first step's NaN loss would be put down to the lr
+        raise UserError(f"{flag}: the weights in {weights.file} are not finite ({bad} NaN or "
+                        f"infinite): pass weights that are")
     head = classifier_name(model, num_classes)
     head_keys = {k for k in own if k.startswith(f"{head}.")}
     file_head = {k: v for k, v in state.items() if k in head_keys}

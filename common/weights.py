@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from common.checkpoints import CHECKPOINT_DIR, intact_advice
 from common.errors import UserError
 from common.failures import fail_together, from_main, why_not_written
-from common.files import atomic_write
+from common.files import atomic_write, check_file
 from common.run_record import unwritten_metrics
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -66,8 +66,7 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
     ``module.`` (saved from a DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile).
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{flag} {path}: no such file")
+    check_file(flag, path, "pass a .safetensors file or a torch.save'd state dict")
     try:
         if path.suffix == ".safetensors":
             state = load_file(str(path))

@@ -180,16 +180,19 @@ def test_head_lr_scale_finds_a_convolution_head_and_logs_the_base_lr_first():
 
 
 def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, tuned, tmp_path):
-    """... also when the weights' file is gone by then (a cleaned cache, another machine): the resumed
-    run needs only what config.json recorded of them, the checkpoint holds the rest."""
+    """... also when the weights' file is damaged or gone by then (a cleaned cache, another machine):
+    the resumed run needs only what config.json recorded of them, the checkpoint holds the rest."""
     out, file = tmp_path / "run", tmp_path / "imagenet.safetensors"
     shutil.copy(place[2], file)
     common = ["--pretrained-path", file, "--optimizer", "adamw", "--head-lr-scale", "10", "--weight-decay",
               "0.05", "--checkpoint-every", "1"]
     train(place, "train_single.py", out, *common, "--max-steps", "4")
+    file.write_bytes(file.read_bytes()[:1000])  # damaged: no other file would be accepted on resume
+    done = train(place, "train_single.py", out, *common, "--resume", "--max-steps", "6")
+    assert "weights of --pretrained-path not read: the checkpoint resumed holds the trained ones" in done.stdout
     file.unlink()
     done = train(place, "train_single.py", out, *common, "--resume")
-    assert "resumed from" in done.stdout and "step 4" in done.stdout
+    assert "resumed from" in done.stdout and "step 6" in done.stdout
     assert f"weights of --pretrained-path not read ({file} is gone): the checkpoint resumed holds the trained " \
            f"ones" in done.stdout
     ours, theirs = weights(out), weights(tuned[0])
@@ -273,7 +276,7 @@ def test_pretrained_reads_timm_weights_from_the_hugging_face_cache(place, tmp_pa
     assert all(torch.equal(final[k], source[k]) for k in source if not is_head(k))
 
 
-def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path, monkeypatch):
+def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path, monkeypatch, capsys):
     """torchvision's file name in $TORCH_HOME/hub/checkpoints/, its keys loaded into torchvision's
     ResNet-18 by what the scripts call (find_weights, then fine_tune); the weights' preset (bilinear,
     224 px, ImageNet's statistics x 255) recorded; without the file, the line that says where it must
@@ -282,6 +285,7 @@ def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path, m
     url = torchvision.models.ResNet18_Weights.DEFAULT.url
     with pytest.raises(UserError) as missing:
         find_weights("torchvision:resnet18", True, None)
+    assert capsys.readouterr() == ("", "")  # not torch.hub's "Downloading: ..." before our line
     assert str(missing.value).startswith(
         f"error: --pretrained: the weights of torchvision:resnet18 (ResNet18_Weights.IMAGENET1K_V1) are not at "
         f"{tmp_path}/torch/hub/checkpoints/resnet18-f37072fd.pth and cannot be downloaded (")
@@ -323,11 +327,21 @@ def test_pretrained_without_a_cached_file_is_one_line_at_once(place, tmp_path):
     (["--freeze", "backbone"], r"error: --freeze backbone: a backbone of random weights, frozen, learns nothing"),
     (["--pretrained", "--pretrained-path", "{file}"], r"error: --pretrained and --pretrained-path \S+: both"),
     (["--pretrained-path", "nothing-here.pt"], r"error: --pretrained-path nothing-here.pt: no such file"),
+    (["--pretrained-path", "{folder}"], r"error: --pretrained-path \S+/weights: is a folder, not a file \(it holds "
+                                        r"model.safetensors\); pass a safetensors file or a torch state dict$"),
+    (["--pretrained-path", "{nan}"], r"error: --pretrained-path: the weights in \S+ are not finite \(\S+: 1 of \d+ "
+                                     r"values NaN or infinite\): pass weights that are$"),
     (["--head-lr-scale", "0"], r"error: --head-lr-scale 0.0: must be a positive number"),
 ])
 def test_wrong_weights_and_flags_are_one_line(place, tmp_path, flags, message):
     _, data, file, _ = place
-    flags = [f.format(file=file) for f in flags]
+    (folder := tmp_path / "weights").mkdir()
+    shutil.copy(file, folder / "model.safetensors")
+    state = load_file(str(file))
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, str(nan := tmp_path / "nan.safetensors"))
+    flags = [f.format(file=file, folder=folder, nan=nan) for f in flags]
     done = run("train_single.py", *FLAGS, "--data-dir", data, *flags, cwd=tmp_path,
                env_extra={"HF_HUB_OFFLINE": "1"}, check=False)
     lines = done.stderr.strip().splitlines()
