@@ -24,6 +24,7 @@ from typing import ClassVar
 import psutil
 import torch
 import torchvision
+from torch.utils.benchmark import Timer
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -292,15 +293,11 @@ class OneProcess:
 
 def ema_update_seconds(loop: PlainLoop, updates: int = 20) -> float:
     """The median time of one weight-average update of ``loop``'s model, each timed alone with the
-    device waited for before and after it."""
-    times = []
-    for _ in range(updates):
-        synchronize(loop.device)
-        start = time.perf_counter()
-        loop.ema.update()
-        synchronize(loop.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    device waited for before and after it (torch.utils.benchmark's timer does both; its Timer
+    runs 2 untimed updates before each timed one), on every thread the loop uses (Timer's
+    default is one)."""
+    timer = Timer("ema.update()", globals={"ema": loop.ema}, num_threads=torch.get_num_threads())
+    return statistics.median(timer.timeit(1).median for _ in range(updates))
 
 
 @contextlib.contextmanager
@@ -374,6 +371,11 @@ def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: 
     back to back between two synchronisations as take ``min_seconds``: a GPU's launch and
     synchronisation (~10 us) are then under 0.1 % of a timing, where they would be 10 % of one bf16
     4096-square matmul (~0.15 ms on an H100). On a CPU one 4096-square matmul takes about a second.
+
+    Not torch.utils.benchmark.Timer: its ``timeit`` runs max(n / 100, 2) untimed matmuls before
+    each timing (2 s more per timing of a CPU's 1-s matmul), and ``blocked_autorange`` gives a
+    median, of one block of one matmul once a matmul outlasts its min_run_time (checked: 2048
+    squared on this CPU), not the best of ``repeats``.
     """
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
 

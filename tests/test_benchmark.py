@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -423,3 +424,19 @@ def test_docs_show_the_committed_benchmark_run():
     inputs = json.loads((folder / "inputs" / "benchmark.json").read_text())["inputs"]
     ours, theirs = inputs["rates"]["ours"], inputs["rates"]["torchvision"]
     assert inputs["ratio"] == pytest.approx(statistics.median(o / t for o, t in zip(ours, theirs)))
+
+
+def test_an_ema_update_is_timed_alone_on_every_thread_of_the_loop(monkeypatch):
+    """bench.tools.ema_update_seconds through torch.utils.benchmark.Timer: the median of the
+    updates timed one by one (each after Timer's 2 untimed ones), with the loop's threads."""
+    from bench import tools
+    threads = []
+
+    class Average:
+        def update(self):
+            threads.append(torch.get_num_threads())
+            time.sleep(0.002)
+
+    seconds = tools.ema_update_seconds(types.SimpleNamespace(ema=Average()), updates=5)
+    assert len(threads) == 5 * 3 and set(threads) == {torch.get_num_threads()}
+    assert 0.002 <= seconds < 0.05
