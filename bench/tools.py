@@ -101,8 +101,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+try:  # NVML through nvidia-ml-py (requirements-optional.txt); nvidia-smi where it is missing
+    import pynvml
+except ImportError:
+    pynvml = None
+
 # nvidia-smi failing in any of its ways: not installed, no driver, or hung.
 NVIDIA_SMI_ERRORS = (OSError, subprocess.SubprocessError, ValueError)
+# Reading the GPUs' memory failing, through NVML or nvidia-smi
+GPU_QUERY_ERRORS = NVIDIA_SMI_ERRORS + ((pynvml.NVMLError,) if pynvml else ())
 
 
 def visible_gpus(listed: list[tuple[str, str, int]], visible: str | None) -> list[tuple[str, str, int]]:
@@ -138,6 +145,23 @@ def nvidia_smi_gpus(env: dict | None = None) -> list[tuple[str, str, int]]:
     return visible_gpus(listed, (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
 
 
+def nvml_gpus(env: dict | None = None) -> list[tuple[str, str, int]]:
+    """nvidia_smi_gpus's rows read through NVML, the library nvidia-smi itself reads (the same
+    indices and UUIDs; bytes where nvidia-smi rounds to MiB), without a process started for every
+    sample. Raises pynvml.NVMLError where NVML cannot be read (no driver, no GPU)."""
+    pynvml.nvmlInit()  # counted: matched by the shutdown below
+    try:
+        listed = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)  # bytes in nvidia-ml-py before 11.5
+            listed.append((str(index), uuid.decode() if isinstance(uuid, bytes) else uuid,
+                           int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)))
+    finally:
+        pynvml.nvmlShutdown()
+    return visible_gpus(listed, (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
+
+
 def describe_gpus(gpus: list[tuple[str, str, int]], env: dict | None = None) -> str:
     """Which physical GPUs the processes' cuda:0, cuda:1, ... are, in nvidia-smi's numbers."""
     visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
@@ -148,8 +172,9 @@ def describe_gpus(gpus: list[tuple[str, str, int]], env: dict | None = None) -> 
 class PeakMemory:
     """For each GPU the processes see, the largest rise of nvidia-smi's memory.used over its value
     before a launch (the CUDA context, about 0.5 GB, included), sampled from outside every
-    ``interval`` seconds; the GPUs are the processes' cuda:0, cuda:1, ..., found through
-    CUDA_VISIBLE_DEVICES in ``env``. Where nvidia-smi cannot be used, ``error`` says why and
+    ``interval`` seconds through NVML (nvml_gpus; nvidia-smi where nvidia-ml-py is not
+    installed); the GPUs are the processes' cuda:0, cuda:1, ..., found through
+    CUDA_VISIBLE_DEVICES in ``env``. Where neither can be used, ``error`` says why and
     ``stop()`` returns nothing: the scripts' own gpu_mem_peak_gb stands in (scripts/benchmark.py).
 
     Without GPUs nothing is sampled: each training process reports its own peak resident memory
@@ -160,18 +185,19 @@ class PeakMemory:
         self.peak: dict[str, int] = {}
         self.before: dict[str, int] = {}  # by UUID: the order of nvidia-smi's rows is not the processes'
         self.error, self.env = None, env
+        self.read, source = (nvml_gpus, "NVML") if pynvml else (nvidia_smi_gpus, "nvidia-smi")
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True)
         if gpus:
             try:
-                self.before = {uuid: used for _, uuid, used in nvidia_smi_gpus(env)[:gpus]}
-            except NVIDIA_SMI_ERRORS as error:
-                self.error = f"nvidia-smi failed ({type(error).__name__}: {error})"
+                self.before = {uuid: used for _, uuid, used in self.read(env)[:gpus]}
+            except GPU_QUERY_ERRORS as error:
+                self.error = f"{source} failed ({type(error).__name__}: {error})"
             else:
                 self._thread.start()
 
     def _sample(self) -> None:
-        for _, uuid, used in nvidia_smi_gpus(self.env):
+        for _, uuid, used in self.read(self.env):
             if uuid in self.before:
                 self.peak[uuid] = max(self.peak.get(uuid, 0), used - self.before[uuid])
 
@@ -179,8 +205,8 @@ class PeakMemory:
         while not self._done.is_set():
             try:
                 self._sample()
-            except NVIDIA_SMI_ERRORS:
-                pass  # nvidia-smi busy: the next sample counts
+            except GPU_QUERY_ERRORS:
+                pass  # NVML or nvidia-smi busy: the next sample counts
             self._done.wait(interval)
 
     def stop(self) -> list[float]:

@@ -192,7 +192,10 @@ SMI_4_GPUS = [("0", "GPU-aaaa1111"), ("1", "GPU-bbbb2222"), ("2", "GPU-cccc3333"
 
 def fake_nvidia_smi(monkeypatch, mib_used=lambda: [100] * 4, error=None):
     """subprocess.run answering nvidia-smi's index,uuid,memory.used query for the 4 GPUs of
-    SMI_4_GPUS with the MiB in use that ``mib_used()`` gives, or raising ``error``."""
+    SMI_4_GPUS with the MiB in use that ``mib_used()`` gives, or raising ``error``; nvidia-ml-py
+    made absent, so that bench.tools falls back on nvidia-smi."""
+    from bench import tools
+    monkeypatch.setattr(tools, "pynvml", None)
 
     def run(command, **kwargs):
         assert command[:2] == ["nvidia-smi", "--query-gpu=index,uuid,memory.used"] and kwargs["timeout"]
@@ -311,6 +314,59 @@ def test_cuda_visible_devices_pick_the_physical_gpus_nvidia_smi_watches(monkeypa
     assert tools.visible_gpus(listed, "") == [] and tools.visible_gpus(listed, None) == listed
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0f1e2d3c")  # nvidia-smi tells no MIG slice's memory
     assert tools.PeakMemory(1).error.startswith("nvidia-smi failed (ValueError")
+
+
+def fake_nvml(monkeypatch, used_bytes, fails=False):
+    """nvidia-ml-py answering for the 4 GPUs of SMI_4_GPUS (UUIDs as bytes, as before 11.5) with
+    the bytes in use that ``used_bytes()`` gives; every init matched by a shutdown, checked."""
+    from bench import tools
+
+    class NVMLError(Exception):
+        pass
+
+    opened = []
+
+    def init():
+        if fails:
+            raise NVMLError("NVML Shared Library Not Found")
+        opened.append(True)
+
+    nvml = types.SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=init, nvmlShutdown=opened.pop,
+        nvmlDeviceGetCount=lambda: len(SMI_4_GPUS), nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda i: SMI_4_GPUS[i][1].encode(),
+        nvmlDeviceGetMemoryInfo=lambda i: types.SimpleNamespace(used=used_bytes()[i]))
+    monkeypatch.setattr(tools, "pynvml", nvml)
+    monkeypatch.setattr(tools, "GPU_QUERY_ERRORS", (*tools.NVIDIA_SMI_ERRORS, NVMLError))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("nvidia-smi started"))
+    return opened
+
+
+def test_peak_memory_reads_nvml_where_nvidia_ml_py_is_installed(monkeypatch):
+    """The same figures as through nvidia-smi, without a process a sample: the GPUs of
+    CUDA_VISIBLE_DEVICES, each one's rise over its memory before the launch; NVML failing is the
+    scripts' figure standing in, as nvidia-smi failing is."""
+    from bench import tools
+    launched, sampled = threading.Event(), threading.Event()
+
+    def used():  # as in the nvidia-smi test: GPU 0 (another job's) +10 GiB, GPU 2 +1 GiB, GPU 3 +3 GiB
+        if not launched.is_set():
+            return [100 * 2**20] * 4
+        sampled.set()
+        return [(100 + extra) * 2**20 for extra in (10240, 0, 1024, 3072)]
+
+    opened = fake_nvml(monkeypatch, used)
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert [gpu[:2] for gpu in tools.nvml_gpus(env)] == [("2", "GPU-cccc3333"), ("3", "GPU-dddd4444")]
+    watcher = tools.PeakMemory(2, interval=0.01, env=env)
+    launched.set()
+    assert sampled.wait(10)
+    assert watcher.stop() == [round(2**30 / tools.GB, 3), round(3 * 2**30 / tools.GB, 3)]
+    assert watcher.error is None and opened == []
+    fake_nvml(monkeypatch, used, fails=True)
+    watcher = tools.PeakMemory(1, interval=0.01)
+    assert watcher.stop() == [] and watcher.error == (
+        "NVML failed (NVMLError: NVML Shared Library Not Found)")
 
 
 def test_matmul_peak_runs_many_matmuls_per_timing_in_the_requested_precision(monkeypatch):
