@@ -20,7 +20,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import first_line
-from common.failures import agree, fail_together, from_main, why_not_written
+from common.failures import agree, fail_alone, fail_together, from_main, why_not_written
 from common.files import fsync_dir, fsync_tree, write_json
 from common.run_record import check_resume_config, unwritten_metrics
 
@@ -158,6 +158,10 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
         # SafetensorError, RuntimeError, OSError ..., FSDP2's CheckpointException (a BaseException)
         except (Exception, CheckpointException) as error:  # noqa: BLE001
             failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
+            if accelerator.num_processes > 1:  # the others may be in save_state's collectives
+                if accelerator.is_main_process:  # (FSDP2's gathers, --ema-decay's): no agreeing
+                    shutil.rmtree(partial, ignore_errors=True)
+                fail_alone(accelerator, failure + intact_advice(output_dir))
         # every process's files are written (or not) before the list is made
         failure = agree(accelerator, failure)
     if failure is None and accelerator.is_main_process:

@@ -107,6 +107,11 @@ def watch_failures(accelerator) -> None:
                 print(f"error: process {me} lost another process of the job in a collective "
                       f"({_short(error)}): that process ended first; its own output or the "
                       f"launcher's report says why", file=sys.stderr)
+            elif _timed_out(error):
+                print(f"error: process {me} waited --dist-timeout in a collective for another "
+                      f"process that never came ({_short(error)}): it stalled (a hung read, a "
+                      f"stopped process) or is far slower; raise --dist-timeout only for the "
+                      f"second", file=sys.stderr)
             else:
                 previous(kind, error, traceback)  # our line (a bad image) or a bug's traceback
         end_now(accelerator)
@@ -197,6 +202,12 @@ def _lost_a_process(error: BaseException) -> bool:
     text = str(error)
     return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
                                          "Broken pipe", "remote process exited", "NCCL error"))
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that waited out --dist-timeout (gloo's, NCCL's words)."""
+    return re.search(r"Timed out waiting \d+ms|collective operation timeout|timed out after",
+                     str(error)) is not None
 
 
 def _short(error: BaseException) -> str:

@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -343,3 +344,16 @@ class Processes:
     def output(self) -> str:
         return "\n".join(f"--- rank {r} ({self.ended.get(r, ('running',))[0]}):\n{self.stdout(r)}{self.stderr(r)}"
                          for r in range(len(self.procs)))
+
+
+def bad_ends(output: str) -> list[str]:
+    """What in a launched job's output (accelerate launch, torchrun) says that a training process
+    ended badly: a C++ abort, a Python traceback of its own (the launcher's report of a failed worker,
+    which starts at its first log line, is not one) or death by a signal in the launcher's table of
+    the workers that ended. Empty: every process ended by its own exit."""
+    workers = re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", output, maxsplit=1)[0]
+    found = [sign for sign in ("terminate called", "core dumped") if sign in output]
+    found += ["a worker's traceback"] if "Traceback" in workers else []
+    # the table may list a worker twice: among the failures and as the first one
+    found += [f"a worker ended by signal {code}" for code in dict.fromkeys(re.findall(r"exitcode\s*: (-\d+)", output))]
+    return found

@@ -387,25 +387,6 @@ def test_a_full_disk_for_the_final_weights(base, tmp_path):
         assert same_weights(weights(out), weights(base))
 
 
-def test_a_full_disk_under_ddp_is_one_line_and_no_hang(tmp_path):
-    """Every process writes a checkpoint (save_state); one line in all, every process stops."""
-    with tmpfs(tmp_path / "disk", "3m") as disk:
-        out = disk / "run"
-        done = run("train_ddp.py", *FLAGS, "--output-dir", out, launcher=DDP, check=False, cwd=tmp_path,
-                   timeout=240)
-        workers = worker_lines(done.stderr)
-        assert done.returncode != 0 and diagnostics(workers) == [
-            f"error: cannot write checkpoint {out}/checkpoints/{step(4)} (no space left on the device); "
-            f"the checkpoint {out}/checkpoints/{step(2)} is intact: free space in {out}, then run the same command "
-            f"with --output-dir {out} --resume"], done.stderr
-        assert done.stderr.count("error: ") == 1
-        assert checkpoint_problem(out / "checkpoints" / step(2)) is None
-        grow(disk, "64m")
-        done = run("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", launcher=DDP, cwd=tmp_path,
-                   timeout=240)
-        assert f"resumed from {out}/checkpoints/{step(2)}" in done.stdout and (out / "model.safetensors").is_file()
-
-
 def test_a_disk_full_before_the_run_starts_is_one_line_and_leaves_nothing(tmp_path):
     with tmpfs(tmp_path / "disk", "1m") as disk:
         (disk / "filler").write_bytes(b"\0" * shutil.disk_usage(disk).free)

@@ -32,7 +32,7 @@ import datasets
 import numpy as np
 import PIL.Image
 import pytest
-from helpers import ROOT, execute, run, user_env
+from helpers import ROOT, bad_ends, execute, run, user_env
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file",
@@ -287,7 +287,8 @@ def test_a_refusal_on_two_processes_is_one_line(case, one_class_runs, tmp_path):
     out = tmp_path / "run"
     done = run("train_ddp.py", *flags, "--output-dir", out, launcher=ACCELERATE, cwd=tmp_path,
                check=False, timeout=300)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 1 and bad_ends(done.stderr) == [], done.stdout + done.stderr
+    assert set(re.findall(r"exitcode\s*: (-?\d+)", done.stderr)) <= {"1"}, done.stderr  # every process: 1
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("error: "), done.stderr
     assert {"one class": "has one class folder, train/cat/", "model size": "takes 224x224 images only"}[case] \

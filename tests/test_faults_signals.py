@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, execute, user_env, weights
+from helpers import BIN, ROOT, bad_ends, execute, user_env, weights
 
 STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 # 8 steps an epoch, 16 in all, at the peak lr --lr gives (the batch is the reference batch); a batch
@@ -96,7 +96,7 @@ def test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line(tmp
     saved = {p.name for p in checkpoint.iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "checkpoint.json"} <= saved, saved
     exit_codes = re.findall(r"exitcode\s*: (-?\d+)", output)  # the launcher's table, if it prints one
-    assert set(exit_codes) <= {str(STOPPED)}, output[-3000:]
+    assert set(exit_codes) <= {str(STOPPED)} and bad_ends(output) == [], output[-3000:]
     assert not (out / ".lock").exists()
 
 
