@@ -145,7 +145,7 @@ def main(args):
         accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
-    weights, data = load_data(args, accelerator, checkpoint)  # ALL
+    weights, data = load_data(args, accelerator, checkpoint)  # ALL: the weights' file, the loaders
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
 
     # ------------------------------------------------------------- model, optimizer, schedule

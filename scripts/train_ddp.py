@@ -29,6 +29,7 @@ how the tests check it. Changes from train_single.py, each tagged "# DDP:"
 Every call marked "# ALL" is a collective or makes one (all-reduce, gather, broadcast, barrier,
 save_state): every process must make it, in the same order. One put under
 `if accelerator.is_main_process:` leaves the other processes waiting in it until --dist-timeout.
+The step in accumulate() is one too (backward all-reduces the gradients), marked on its `with`.
 
 Launch (one node; --num_processes overrides the config's count):
     accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_ddp.py
@@ -151,7 +152,7 @@ def main(args):
         accelerator, args.output_dir, args.resume, __file__)
 
     # ------------------------------------------------------------------------------------ data
-    weights, data = load_data(args, accelerator, checkpoint)  # ALL
+    weights, data = load_data(args, accelerator, checkpoint)  # ALL: the weights' file, the loaders
     train_loader, test_loader, transform = data.train_loader, data.test_loader, data.transform
 
     # ------------------------------------------------------------- model, optimizer, schedule
