@@ -85,7 +85,7 @@ def check_folder(flag: str, path: str | None) -> None:
 
 
 def check_file(flag: str, path: Path, then: str) -> None:
-    """A file flag naming a folder or nothing: one line saying which, and ``then`` (what to pass)."""
+    """A file flag naming a folder or nothing: one line saying which, then ``then`` (what to do)."""
     path = Path(path)
     if path.is_dir():
         weights = sorted(p.name for p in path.glob("*.safetensors"))[:1]

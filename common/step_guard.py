@@ -155,8 +155,8 @@ class StepGuard:
         # step N's loss is that of the weights after step N - 1: those had blown up already
         before = latest_good_checkpoint(self.output_dir, up_to=step - 2)[0]
         if before == newest:  # none written since
-            return (f"{grew}; the last good checkpoint, from before it, is {newest}: resume from it "
-                    f"with a lower --lr (the same command with --resume and the new --lr)")
+            return (f"{grew}; the last good checkpoint, from before it, is {newest}: resume from "
+                    f"it with a lower --lr (the same command with --resume and the new --lr)")
         if before:  # in place, the newer checkpoints would be resumed from, and the record forked
             return (f"{grew}, so the checkpoints since hold weights that blew up; the last one "
                     f"before is {before}: continue from it with a lower --lr (the same command "

@@ -41,6 +41,11 @@ side here:
     ema         the cost of --ema-decay: the plain loop with the scripts' weight average updated
                 after every step against the same loop without it, rounds alternated, and one
                 update timed alone; reported as measured
+    watch       the cost of the failure watch that every process of a multi-process run keeps
+                (common.failures.watch_failures: a thread asking the launch's store twice a second
+                whether a process failed; no collective): the plain loop with it against without
+                it, rounds alternated, and one question to a TCPStore timed alone; reported as
+                measured
     finetune    the cost per step of each fine-tuning flag (--finetune-flags): train_single
                 --loader workers on the `single` row's images as PNG files (or --data-dir), with
                 the flag against without it, each round of launches between two without flags
@@ -69,12 +74,15 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from bench import finetune, loaders, steptimer, tools
+from common import failures
 from common.cli import Parser
 from common.data.synthetic import make_synthetic
 from common.data.workers import default_workers
@@ -87,7 +95,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
 CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile", "ema",
-          "finetune")
+          "watch", "finetune")
 EMA_DECAY = 0.999  # the ema check's --ema-decay (the update's cost does not depend on it)
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 # steps left out of every measurement: the first allocates, tunes kernels, fills caches
@@ -446,10 +454,57 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
             single.get("other_work")))
     if "compile" in checks:
         results += [compile_check(setting, loop, args, steps, device)
-                    for setting, loop in loops.items() if setting != "ema"]
+                    for setting, loop in loops.items() if setting not in ("ema", "watch")]
     if "ema" in checks and plain.get("ema"):
         results.append(ema_check(plain, loops["ema"], args, single.get("other_work")))
+    if "watch" in checks and plain.get("watch"):
+        results.append(watch_check(plain, args, single.get("other_work")))
     return results
+
+
+@contextmanager
+def failure_watch():
+    """The failure watch of a multi-process run's processes (common.failures.watch_failures) as it
+    runs beside their training loop: a thread asking a TCPStore, twice a second, whether a process
+    failed. The store is this process's own; told its own name at the end, the thread ends."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    thread = threading.Thread(target=failures._watch, args=(store, "0", None), daemon=True)
+    thread.start()
+    try:
+        yield store
+    finally:
+        store.set(failures.FIRST_FAILURE, "0")
+        thread.join()
+
+
+def store_question_seconds(questions: int = 200) -> float:
+    """The median time of one question the failure watch asks its store (store.check)."""
+    with failure_watch() as store:
+        times = []
+        for _ in range(questions):
+            start = time.perf_counter()
+            store.check(["a key no one sets"])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def watch_check(plain: dict, args, other_work) -> dict:
+    """The failure watch's cost: the plain loop with it against the same loop without it, round
+    by round, and one question to the store timed alone."""
+    ratio = statistics.median(w / p for w, p in zip(plain["watch"], plain["fp32_channels_last"]))
+    question = store_question_seconds()
+    step = args.per_device_batch_size / statistics.median(plain["fp32_channels_last"])
+    result = check(
+        "watch: plain loop with the failure watch / without", ratio, None,
+        f"{ratio:.3f}x ({statistics.median(plain['watch']):.1f} vs "
+        f"{statistics.median(plain['fp32_channels_last']):.1f} img/s); one question to the "
+        f"store {question * 1e6:.0f} us, asked every {failures.POLL_S:g} s: "
+        f"{question / failures.POLL_S:.3%} of the time, "
+        f"{question * step / failures.POLL_S * 1e6:.1f} us per {step * 1e3:.0f} ms step", "reported",
+        f"{len(plain['watch'])} rounds of each, alternated; the question alone is the median of "
+        f"200; no collective is added to the step", other_work)
+    result["question_s"], result["step_s"] = question, step
+    return result
 
 
 def ema_check(plain: dict, loop, args, other_work) -> dict:
@@ -746,17 +801,17 @@ def main(args):
 
     # Plain-loop rounds run around train_single's launches: the overhead and precision ratios then
     # compare loops that ran on the same machine at the same time.
-    plain = {"fp32": [], "fp32_channels_last": [], "bf16": [], "ema": []}
+    plain = {"fp32": [], "fp32_channels_last": [], "bf16": [], "ema": [], "watch": []}
     # Matmul FLOP/s, measured in the same rounds and in the math the loops run in: with the
     # scripts' --tf32 default, fp32 in TF32 on GPUs that have it, so the strict fp32 peak is
     # measured beside it.
     peaks = {"fp32": [], "bf16": [], **({"fp32_strict": []} if tools.uses_tf32(device) else {})}
     tf32_math = True if gpus else None  # the scripts' --tf32 default; it changes nothing on a CPU
     loops = {}
-    if {"overhead", "precision", "compute", "compile", "ema"} & set(checks):
+    if {"overhead", "precision", "compute", "compile", "ema", "watch"} & set(checks):
         loops["fp32"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
                                         tf32_math=tf32_math)
-        if {"overhead", "ema"} & set(checks):  # train_single's layout (--channels-last, default);
+        if {"overhead", "ema", "watch"} & set(checks):  # train_single's layout (channels_last);
             # "fp32" stays NCHW, the baseline of the precision check (bf16 + channels_last
             # against fp32)
             loops["fp32_channels_last"] = tools.PlainLoop(args.model, args.per_device_batch_size,
@@ -769,13 +824,17 @@ def main(args):
             loops["ema"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
                                            channels_last=True, tf32_math=tf32_math,
                                            ema_decay=EMA_DECAY)
+        if "watch" in checks:  # the same loop as fp32_channels_last, the failure watch beside it
+            loops["watch"] = tools.PlainLoop(args.model, args.per_device_batch_size, device,
+                                             channels_last=True, tf32_math=tf32_math)
         for loop in loops.values():
             loop.run(WARMUP_STEPS)
             loop.step_seconds.clear()
 
     def plain_round():
         for key, loop in loops.items():
-            plain[key].append(steady_rate(loop, steps))
+            with failure_watch() if key == "watch" else nullcontext():
+                plain[key].append(steady_rate(loop, steps))
         if {"precision", "compute"} & set(checks):
             for key, math in (("fp32", tf32_math), ("fp32_strict", False), ("bf16", None)):
                 if key in peaks and key.split("_")[0] in loops:

@@ -24,8 +24,8 @@ from helpers import ROOT, make
 from PIL import Image
 
 TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
-        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "--loader-images", "256", "--loader-files",
-        "64", "--matmul-size", "256", "--sweep-batch-size", "16"]
+        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "--loader-images", "256",
+        "--loader-files", "64", "--matmul-size", "256", "--sweep-batch-size", "16"]
 
 
 def load_script(name):
@@ -97,7 +97,7 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
 def test_checks_state_each_ratio_against_its_target(report):
     _, result, stdout = report
     checks = {c["check"].split(":")[0]: c for c in result["checks"]}
-    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema"}
+    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema", "watch"}
     assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
     assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
     assert checks["compute"]["target"] == ">= 85 %"
@@ -130,6 +130,12 @@ def test_checks_state_each_ratio_against_its_target(report):
     assert len(with_ema) == len(plain) and ema["target"] == "reported" and ema["passed"] is None
     assert ema["value"] == pytest.approx(statistics.median(e / p for e, p in zip(with_ema, plain)))
     assert 0 < ema["update_s"] < ema["step_s"] and f"one update {ema['update_s'] * 1e3:.2f} ms" in ema["measured"]
+    # The failure watch's cost: the same loop with the watch's thread asking a real store, the same rounds.
+    watch, watched = checks["watch"], result["plain_loop_img_per_s"]["watch"]
+    assert len(watched) == len(plain) and watch["target"] == "reported" and watch["passed"] is None
+    assert watch["value"] == pytest.approx(statistics.median(w / p for w, p in zip(watched, plain)))
+    assert 0 < watch["question_s"] < 0.01 and f"one question to the store {watch['question_s'] * 1e6:.0f} us" \
+        in watch["measured"]
 
 
 def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(report):

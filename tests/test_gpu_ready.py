@@ -73,8 +73,29 @@ def test_a_non_finite_loss_stops_before_anything_is_saved(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"error: the loss is nan at step 42: training stopped and nothing of that step was saved; the last good "
         f"checkpoint is {tmp_path / 'checkpoints' / 'step_00000040'}: resume from it with a lower --lr (the "
-        f"same command with --resume and the new --lr); if the loss had grown large before it, start again "
-        f"with a lower --lr in a new --output-dir\n")
+        f"same command with --resume and the new --lr)\n")
+
+
+def test_after_a_nan_the_checkpoints_written_since_the_loss_grew_are_passed_over(tmp_path):
+    """Step 40's loss is 10 times the first one read: it is the loss of the weights after step 39, so the
+    checkpoints of steps 39 and 40 hold weights that had blown up; step 38's does not."""
+    checkpoints(tmp_path, 36, 38, 39, 40)
+    guard = StepGuard(FakeAccelerator(), tmp_path)
+    for step, loss in ((37, 2.3), (38, 2.5), (39, 9.0), (40, 23.5)):
+        assert guard.check(torch.tensor(loss), step) is None
+    stop = guard.check(torch.tensor(float("nan")), 41)
+    assert stop.message.endswith(
+        f"the loss grew from 2.3 to 23.5 at step 40, so the checkpoints since hold weights that blew up; the last "
+        f"one before is {tmp_path / 'checkpoints' / 'step_00000038'}: continue from it with a lower --lr (the "
+        f"same command with --resume {tmp_path / 'checkpoints' / 'step_00000038'} --output-dir NEW and the new "
+        f"--lr)")
+    fresh = StepGuard(FakeAccelerator(), tmp_path / "other")  # no checkpoint from before the loss grew
+    checkpoints(tmp_path / "other", 1)
+    for step, loss in ((1, 2.3), (2, 1e9)):
+        fresh.check(torch.tensor(loss), step)
+    assert fresh.check(torch.tensor(float("nan")), 3).message.endswith(
+        "the loss grew from 2.3 to 1e+09 at step 2, and no checkpoint of this run is from before it: start again "
+        "with a lower --lr in a new --output-dir")
 
 
 def test_a_gpu_step_is_read_one_step_later_and_at_once_before_a_checkpoint(tmp_path, monkeypatch):
