@@ -500,7 +500,8 @@ def watch_check(plain: dict, args, other_work) -> dict:
         f"{statistics.median(plain['fp32_channels_last']):.1f} img/s); one question to the "
         f"store {question * 1e6:.0f} us, asked every {failures.POLL_S:g} s: "
         f"{question / failures.POLL_S:.3%} of the time, "
-        f"{question * step / failures.POLL_S * 1e6:.1f} us per {step * 1e3:.0f} ms step", "reported",
+        f"{question * step / failures.POLL_S * 1e6:.1f} us per {step * 1e3:.0f} ms step",
+        "reported",
         f"{len(plain['watch'])} rounds of each, alternated; the question alone is the median of "
         f"200; no collective is added to the step", other_work)
     result["question_s"], result["step_s"] = question, step
