@@ -19,15 +19,15 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # point) are relative to this folder.
 WORKDIR /workspace
 
-# The requirements in a layer of their own, so that editing a script does not reinstall torch.
-# `-e .` needs the project's files: it is installed after them.
-COPY requirements.txt .
+# The requirements in a layer of their own, so that editing a script does not reinstall torch: the
+# scripts' (requirements.txt) and the optional ones a cluster run wants (nvidia-ml-py for each GPU's
+# utilisation; TensorBoard and MLflow for --report-to). Not the development tools.
+COPY requirements.txt requirements-optional.txt ./
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install torch torchvision --index-url "$TORCH_INDEX_URL"; \
     fi \
-    && grep -v '^-e ' requirements.txt > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
+    && pip install -r requirements.txt -r requirements-optional.txt
 
 COPY . .
-# common/ and bench/ importable from scripts/, as `-e .` of requirements.txt makes them
+# common/ and bench/ importable from scripts/ (pyproject.toml; its dependencies are installed above)
 RUN pip install --no-deps -e .
