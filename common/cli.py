@@ -18,6 +18,7 @@ from common.models import (
     check_timm_name,
     model_names,
 )
+from common.optim import DEFAULT_LR
 from common.pretrained import check_fine_tuning
 from common.profiling import profile_steps
 
@@ -33,9 +34,6 @@ MAX_SEED = 2**32 - 1
 MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmetic (--lr, ...)
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # below: an lr of 0 in float32
-# --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
-# usual fine-tuning rate.
-DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 # --report-to: the trackers of Accelerate's that the scripts set up (common.tracking)
 TRACKERS = ("wandb", "tensorboard", "mlflow")
 

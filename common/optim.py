@@ -1,5 +1,5 @@
 """Optimizer and learning-rate schedule: SGD with Nesterov momentum or AdamW, one-cycle or step
-decay."""
+decay; ``optimizer_and_schedule`` makes both from the scripts' flags (the recipe)."""
 
 import bisect
 import math
@@ -7,6 +7,26 @@ import math
 import torch
 
 from common.models import classifier_name
+
+# --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
+# usual fine-tuning rate.
+DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
+
+
+def optimizer_and_schedule(args, model, batches: int):
+    """The optimizer at its peak lr and the schedule over the run's optimizer steps, for an epoch
+    of ``batches`` micro-batches: with the peak lr, the steps per epoch and in all. --batch-size is
+    the global batch in every script, so the recipe does not change with the number of devices."""
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]  # --optimizer's default
+    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
+    peak_lr = lr * args.batch_size / args.reference_batch_size if args.scale_lr else lr
+    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay, args.optimizer,
+                                args.head_lr_scale)  # --head-lr-scale: the classifier's lr
+    steps_per_epoch = batches // args.grad_accum  # optimizer steps, of micro-batches
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
+                                args.warmup_epochs, args.milestones)
+    return optimizer, scheduler, peak_lr, steps_per_epoch, total_steps
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float,

@@ -43,7 +43,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from tqdm.auto import tqdm
 
 from common.checkpoints import Checkpointer, TrainProgress, resume_from
-from common.cli import DEFAULT_LR, RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
+from common.cli import RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
 from common.compiling import compile_plugin
 from common.ema import WeightAverage
 from common.evaluation import evaluate
@@ -52,7 +52,7 @@ from common.inputs import load_data
 from common.launch import check_launch, launch_record, set_gpu_sharing
 from common.models import build_model
 from common.numerics import choose_mixed_precision, set_numerics
-from common.optim import build_optimizer, build_scheduler, set_peak_lr
+from common.optim import optimizer_and_schedule, set_peak_lr
 from common.output import survive_closed_output
 from common.pretrained import fine_tune
 from common.profiling import StepProfiler
@@ -118,21 +118,6 @@ def make_model(args, accelerator, data, weights):
     tuned = refused_together(accelerator, fine_tune, model, weights, args.model,  # ALL
                              data.num_classes, data.image_size, args.freeze)
     return model, tuned
-
-
-def optimizer_and_schedule(args, model, batches: int):
-    """The optimizer at its peak lr and the schedule over the run's optimizer steps, for an epoch
-    of ``batches`` micro-batches: with the peak lr, the steps per epoch and in all."""
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]  # --optimizer's default
-    # Linear scaling rule (Goyal et al. 2017, arXiv:1706.02677): k times the batch, k times the lr.
-    peak_lr = lr * args.batch_size / args.reference_batch_size if args.scale_lr else lr
-    optimizer = build_optimizer(model, peak_lr, args.momentum, args.weight_decay, args.optimizer,
-                                args.head_lr_scale)  # --head-lr-scale: the classifier's lr
-    steps_per_epoch = batches // args.grad_accum  # optimizer steps, of micro-batches
-    total_steps = steps_per_epoch * args.epochs
-    scheduler = build_scheduler(optimizer, args.schedule, total_steps, steps_per_epoch,
-                                args.warmup_epochs, args.milestones)
-    return optimizer, scheduler, peak_lr, steps_per_epoch, total_steps
 
 
 def main(args):
