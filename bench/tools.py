@@ -38,7 +38,7 @@ from common.models import build_model
 from common.numerics import keep_freed_memory
 from common.optim import build_optimizer
 from common.run_record import versions
-from common.tracking import GB
+from common.utilisation import GB
 
 # ----------------------------------------------------------------------------------- the machine
 

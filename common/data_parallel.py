@@ -14,7 +14,7 @@ import torch
 
 from common.errors import UserError, first_line
 from common.launch import check_batch_split
-from common.tracking import GB
+from common.utilisation import GB
 
 
 def data_parallel_devices(device: torch.device) -> list[torch.device]:

@@ -18,6 +18,8 @@ import shutil
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -64,6 +66,22 @@ def from_main(accelerator, mine: str | None) -> str | None:
     if getattr(accelerator, "num_processes", 1) == 1:
         return mine
     return broadcast_object_list([mine])[0]
+
+
+@contextmanager
+def main_alone(accelerator, name: str, seconds: float):
+    """Run the block on every process; the others then wait for the main process to end its block
+    in the store (``seconds`` at most), not in the next collective, which --dist-timeout would end:
+    for work that the main process does alone and that may take long (the trackers' start). A
+    collective: every process must enter it, with the same ``name``, once per job."""
+    main = getattr(accelerator, "num_processes", 1) == 1 or accelerator.is_main_process
+    try:
+        yield
+    finally:
+        if main and accelerator.num_processes > 1:
+            _store().set(name, "done")  # done or failed: the next collective says which
+    if not main:
+        _store().wait([name], timedelta(seconds=seconds))
 
 
 def fail_together(accelerator, message: str) -> None:

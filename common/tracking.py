@@ -36,9 +36,9 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
+from common.failures import main_alone
 from common.run_record import flat_config, write_config, write_metrics
 from common.utilisation import GpuBusy, process_gpus, utilisation_figures
-from common.utilisation import GB, peak_memory  # noqa: F401 - GPU figures, offered here too
 
 DEFAULT_PROJECT = "multigpu-cifar"
 # Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
@@ -143,8 +143,9 @@ def start_run(accelerator, script: str, args, config: dict, output_dir: Path, pr
     --wandb-group from ``args``) and its first line (start_line). A collective: every process
     must call it."""
     write_config(accelerator, output_dir, config)
-    start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
-                   name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
+    with main_alone(accelerator, "trackers-started", 2 * START_TIMEOUT):  # beyond --dist-timeout
+        start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
+                       name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     accelerator.print(start_line(script, where, config, data_line, output_dir))
 
 
@@ -161,15 +162,18 @@ def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> t
     if offline:
         os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
     if accelerator.is_main_process and progress.tracker_run_id is None:
-        # Chosen here, not by wandb, so that it is in the first checkpoint; wandb's own format and
-        # code: wandb.util.generate_id is gone from wandb 0.31, whose generate_id is internal
-        # (wandb.sdk.lib.runid), so the two lines are kept here rather than tied to that path.
+        # Chosen here, not by wandb, so that it is in the first checkpoint; wandb's format. Its
+        # generate_id is internal from wandb 0.31 (wandb.sdk.lib.runid): not tied to that path.
         progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
                                           for _ in range(8))
     init = {"id": progress.tracker_run_id, "resume": "allow",
             "dir": os.environ.get("WANDB_DIR", str(output_dir))}
     if not os.environ.get("WANDB_INIT_TIMEOUT"):  # the other processes wait for this one meanwhile
         init["settings"] = {"init_timeout": START_TIMEOUT}
+    if accelerator.is_main_process and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        accelerator.print(f"wandb: starting its run online (a server that does not answer costs "
+                          f"{os.environ.get('WANDB_INIT_TIMEOUT', START_TIMEOUT)} s, then training "
+                          f"goes on without it)")
     init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items()
                  if value})
     return init, offline

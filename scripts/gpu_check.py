@@ -52,7 +52,7 @@ from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
 from common.files import check_folder
 from common.run_folder import new_run_dir
-from common.tracking import GB
+from common.utilisation import GB
 
 ROOT = Path(__file__).resolve().parents[1]
 # where tests/test_gpu.py appends each check's figures, and bench/gpu_pytest.py its outcome

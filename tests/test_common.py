@@ -287,7 +287,7 @@ def test_channels_last_batches():
 
 
 def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
-    from common.tracking import peak_memory
+    from common.utilisation import peak_memory
 
     class OnCPU:
         device = torch.device("cpu")
