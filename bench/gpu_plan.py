@@ -53,6 +53,9 @@ PLAN = [
           "optimizer bytes (its shards); the weights within 1e-4 of one process and of DDP's", 20),
     check("test_more_processes_than_gpus_is_refused_without_share_gpus", "without --share-gpus "
           "a launch of more processes than GPUs is refused in one line", 12),
+    check("test_a_failure_in_one_process_ends_every_process", "a bad image in one process's slice "
+          "ends every process within seconds over NCCL, whose collectives fail by nothing but "
+          "their timeout: the failure watch; one line, none aborted or killed", 25),
     check(f"{RESUMES}[train_fsdp-all-ema]", "FSDP2 sharded checkpoints, per-process RNG and the "
           "sharded weight average: stop + --resume bit for bit (--deterministic, --ema-decay)", 60),
     check("test_sync_bn_matches_one_gpu_and_plain_ddp_does_not", "SyncBatchNorm's collectives: "

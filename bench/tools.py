@@ -24,7 +24,6 @@ from typing import ClassVar
 import psutil
 import torch
 import torchvision
-from torch.utils.benchmark import Timer
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -322,6 +321,9 @@ def ema_update_seconds(loop: PlainLoop, updates: int = 20) -> float:
     device waited for before and after it (torch.utils.benchmark's timer does both; its Timer
     runs 2 untimed updates before each timed one), on every thread the loop uses (Timer's
     default is one)."""
+    # imported here: torch.utils.benchmark warns of a missing CUDA runtime as it is imported
+    from torch.utils.benchmark import Timer
+
     timer = Timer("ema.update()", globals={"ema": loop.ema}, num_threads=torch.get_num_threads())
     return statistics.median(timer.timeit(1).median for _ in range(updates))
 

@@ -23,6 +23,7 @@ LAUNCHING_TESTS = {
     "test_gpu": {"test_every_script_learns_and_evaluate_reproduces_it", "test_stop_and_resume_is_bit_for_bit",
                  "test_all_gpus_match_one_gpu", "test_sync_bn_matches_one_gpu_and_plain_ddp_does_not",
                  "test_more_processes_than_gpus_is_refused_without_share_gpus",
+                 "test_a_failure_in_one_process_ends_every_process",
                  "test_profile_traces_cuda_and_utilisation_is_read_per_process",
                  "test_fine_tunes_a_timm_model_at_224_px_through_the_workers"},
     "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
