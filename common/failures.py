@@ -136,8 +136,11 @@ def watch_failures(accelerator) -> None:
 
     hook.watches = True
     sys.excepthook = hook
-    threading.Thread(target=_watch, args=(store, me, accelerator), daemon=True,
-                     name="failure-watch").start()
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(store, me, accelerator, stop), daemon=True,
+                              name="failure-watch")
+    thread.start()
+    atexit.register(_stop_watching, stop, thread)
 
 
 def fail_alone(accelerator, message: str) -> None:
@@ -175,19 +178,27 @@ def _own_line(accelerator) -> None:
         print(file=sys.stderr)
 
 
-def _watch(store, me: str, accelerator) -> None:
+def _stop_watching(stop: threading.Event, thread: threading.Thread) -> None:
+    """At exit, the watcher out of the store before Python's shutdown: a daemon thread that it
+    finds inside a C++ call (the store's) is ended there, and the process aborts ("terminate
+    called without an active exception")."""
+    stop.set()
+    if thread is not threading.current_thread():  # end_now, from the watcher itself
+        thread.join(timeout=10)
+
+
+def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
     """Another process's failure, read from the store: this process ends, unless its main thread
-    meets the failure itself within GRACE_S (gloo's collectives fail at once) and ends there."""
-    while True:
-        time.sleep(POLL_S)
+    meets the failure itself within GRACE_S (gloo's collectives fail at once) and ends there.
+    Until ``stop`` is set."""
+    while not stop.wait(POLL_S):
         try:
             if not store.check([FIRST_FAILURE]):
                 continue
             failed = store.get(FIRST_FAILURE).decode()
         except Exception:  # noqa: BLE001 - the store's host ended: a job that finished, or a
             return  # failure that the collective this process meets next reports
-        if failed != me:
-            time.sleep(GRACE_S)
+        if failed != me and not stop.wait(GRACE_S):  # (this process ending by itself meanwhile)
             end_now(accelerator)
         return
 

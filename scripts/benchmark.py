@@ -466,15 +466,15 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
 def failure_watch():
     """The failure watch of a multi-process run's processes (common.failures.watch_failures) as it
     runs beside their training loop: a thread asking a TCPStore, twice a second, whether a process
-    failed. The store is this process's own; told its own name at the end, the thread ends."""
+    failed. The store is this process's own."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    thread = threading.Thread(target=failures._watch, args=(store, "0", None), daemon=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=failures._watch, args=(store, "0", None, stop), daemon=True)
     thread.start()
     try:
         yield store
     finally:
-        store.set(failures.FIRST_FAILURE, "0")
-        thread.join()
+        failures._stop_watching(stop, thread)
 
 
 def store_question_seconds(questions: int = 200) -> float:

@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from helpers import ROOT, free_port, user_env, weights
+from helpers import ROOT, bad_ends, free_port, user_env, weights
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
@@ -396,17 +396,19 @@ def interrupted(workspace, reference):
 
 
 def test_a_lost_node_fails_the_other_pod_at_once(interrupted):
-    """The other pod's worker meets the closed connection in its next all-reduce and fails with
-    gloo's traceback (the one traceback expected here), its torchrun with exit 1: the Job fails and
-    the JobSet restarts both pods, instead of waiting out --dist-timeout."""
+    """The other pod's worker meets the closed connection in its next all-reduce and says so in one
+    line, with gloo's words (common.failures), its torchrun with exit 1: the Job fails and the JobSet
+    restarts both pods, instead of waiting out --dist-timeout."""
     _, found = interrupted
     codes, seconds, exits = found["crash"]
     survivor = found["outputs"][1][0]
     print(f"\na node lost: the other pod ended {seconds:.1f} s later")
     assert codes == [1, -signal.SIGKILL] and seconds < 60, survivor[-3000:]
-    assert re.search(r"\[rank0\]: RuntimeError: \S*gloo\S* .*Connection (closed|reset) by peer", survivor)
-    assert re.search(r"exitcode\s*: 1 ", survivor) and "terminate called" not in survivor, survivor[-3000:]
-    assert exits == {}  # neither worker reached sys.exit: one killed, one failed in the all-reduce
+    lines = re.findall(r"error: .*", survivor)
+    assert len(lines) == 1 and re.match(r"error: process 0 lost another process of the job in a collective "
+                                        r"\(.*Connection (closed|reset) by peer", lines[0]), survivor[-3000:]
+    assert re.search(r"exitcode\s*: 1 ", survivor) and bad_ends(survivor) == [], survivor[-3000:]
+    assert exits == {}  # neither worker reached sys.exit: one killed, one ended (os._exit) in the all-reduce
 
 
 def test_the_restarted_job_continues_by_itself_and_is_preempted_with_a_checkpoint(interrupted):
