@@ -15,6 +15,7 @@ import atexit
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -90,6 +91,7 @@ def fail_together(accelerator, message: str) -> None:
     error = UserError(message)
     end_tracking_failed(accelerator)
     if getattr(accelerator, "num_processes", 1) > 1:
+        ignore_the_launchers_stop()
         if accelerator.is_main_process:
             print(error.code, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
@@ -243,6 +245,13 @@ def _short(error: BaseException) -> str:
     """A collective's error in a few words: gloo's starts with the source file and goes on."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
     return text.split(". ", 1)[0]
+
+
+def ignore_the_launchers_stop() -> None:
+    """SIGTERM ignored from here on, by a process that ends with the job's agreed failure: the
+    launcher stops the other processes once one has exited, and one that it kills (before it has
+    said why, or while it exits) dies by a signal instead of its own exit status 1."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def end_tracking_failed(accelerator, exit_code: int = 1) -> None:

@@ -8,19 +8,23 @@ launch for more GPUs than this machine has (its code paths, checkpoints and resu
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 from accelerate.state import PartialState
 
 from common.errors import UserError
-from common.failures import refused_together
+from common.failures import ignore_the_launchers_stop, refused_together
 
 # NCCL shares a GPU between processes from 2.30 on, when asked with NCCL_MULTI_RANK_GPU_ENABLE=1
 # (NCCL's src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set
 # NCCL_MULTI_RANK_GPU_ENABLE=1 ..."); older NCCL refuses ("Duplicate GPU detected",
 # NVIDIA/nccl#103).
 NCCL_SHARES_GPUS = (2, 30, 0)
+# Seconds a node's other processes wait before they exit with its refusal, so that its first
+# process, which says why, is not stopped by the launcher before it has (nothing syncs them yet)
+REFUSAL_LINE_S = 5
 SHARE_GPUS = ("auto", "nccl", "gloo")  # --share-gpus: auto is NCCL where it can share, else gloo
 
 
@@ -125,8 +129,10 @@ def set_gpu_sharing(share: str | None) -> str | None:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version())
     except UserError:
+        ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             raise
+        time.sleep(REFUSAL_LINE_S)  # the first process's line first: the launcher stops it then
         raise SystemExit(1) from None  # the same refusal, said once a node
     if sharing.per_gpu > 1:
         os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"  # read by prepare(): no device_ids

@@ -5,11 +5,11 @@ ends, however it ends, and the file it writes says who holds it, for the message
 Taking the lock registers an exit hook that releases it and a fork hook that keeps DataLoader
 workers from releasing it.
 
-Not filelock's FileLock (read in filelock 4.3): it chooses flock or its soft lock once, at import,
-by whether fcntl exists, so a filesystem that refuses flock (some NFS and Lustre mounts: ENOLCK)
-fails the lock instead of taking the fallback here, whose takeover of a dead holder's file filelock's
-soft lock lacks (a SIGKILLed job's file stays until removed by hand); and its file names no holder
-(host, pid, job) for the line a second job gets.
+Not filelock's FileLock (read in filelock 4.3): it chooses flock or its soft lock once, at
+import, by whether fcntl exists, so a filesystem that refuses flock (some NFS and Lustre mounts:
+ENOLCK) fails the lock instead of taking the fallback here, whose takeover of a dead holder's
+file filelock's soft lock lacks (a SIGKILLed job's file stays until removed by hand); and its
+file names no holder (host, pid, job) for the line a second job gets.
 """
 
 import atexit

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoints import latest_checkpoint, latest_good_checkpoint
-from common.failures import end_tracking_failed, watch_failures
+from common.failures import end_tracking_failed, ignore_the_launchers_stop, watch_failures
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
 # torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
@@ -182,6 +182,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
             signal.signal(stop_signal, signal.SIG_IGN)
     else:
         end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
+        ignore_the_launchers_stop()  # every process exits 1 by itself
         if accelerator.is_main_process:  # the same line on every process
             print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
