@@ -330,7 +330,12 @@ def listing(folder: Path) -> list[str]:
 
 
 def clean(output: str) -> bool:
-    return "Traceback" not in output and "terminate called" not in output
+    """No traceback or C++ abort from a training process. torchrun's own log lines are left out: a
+    pod's agent whose peer agent, which holds the store, has already exited logs "Error waiting on
+    exit barrier" with a traceback after its workers all exited 0 (seen in 1 of 4 runs)."""
+    ours = "\n".join(line for line in output.splitlines()
+                      if not re.match(r"[WEI]\d{4} [\d:.]+ \d+ torch/distributed/elastic/", line))
+    return "Traceback" not in ours and "terminate called" not in ours
 
 
 @pytest.fixture(scope="module")
