@@ -346,12 +346,17 @@ class Processes:
                          for r in range(len(self.procs)))
 
 
+def worker_lines(stderr: str) -> str:
+    """What the training processes said, before torchrun's own report of a failed worker."""
+    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", stderr, maxsplit=1)[0]
+
+
 def bad_ends(output: str) -> list[str]:
     """What in a launched job's output (accelerate launch, torchrun) says that a training process
     ended badly: a C++ abort, a Python traceback of its own (the launcher's report of a failed worker,
     which starts at its first log line, is not one) or death by a signal in the launcher's table of
     the workers that ended. Empty: every process ended by its own exit."""
-    workers = re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", output, maxsplit=1)[0]
+    workers = worker_lines(output)
     found = [sign for sign in ("terminate called", "core dumped") if sign in output]
     found += ["a worker's traceback"] if "Traceback" in workers else []
     # the table may list a worker twice: among the failures and as the first one

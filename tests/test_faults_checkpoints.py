@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, Forked, run, tmpfs, tree_digest, user_env, weights
+from helpers import ROOT, Forked, run, tmpfs, tree_digest, user_env, weights, worker_lines
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -77,11 +77,6 @@ def same_weights(a: dict, b: dict) -> bool:
 
 def grow(path: Path, size: str):
     subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
-
-
-def worker_lines(stderr: str) -> str:
-    """What the training processes said, before torchrun's own report of a failed worker."""
-    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", stderr, maxsplit=1)[0]
 
 
 # ------------------------------------------------------------------------------ damaged bytes
