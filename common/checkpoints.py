@@ -263,7 +263,8 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
                 decision[1] = (f"--resume: {checkpoint} is damaged ({problem}) and no complete "
                                f"checkpoint comes before it" if older is None else
                                f"--resume {checkpoint}: the checkpoint is damaged ({problem}); "
-                               f"pass a complete one, such as {older}")
+                               f"the newest complete one is {older}: continue from it with "
+                               f"--output-dir {older.parent.parent} --resume")
             else:
                 skipped = "".join(f"; {bad.name}: {why}" for bad, why in damaged.items())
                 print(f"warning: damaged checkpoint skipped ({Path(checkpoint).name}: {problem}"

@@ -250,8 +250,8 @@ def check_args(args: argparse.Namespace) -> None:
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)
     if "none" in args.report_to and len(args.report_to) > 1:
-        raise UserError(f"--report-to {' '.join(args.report_to)}: none means no tracking; pass it "
-                        f"alone, or only trackers ({', '.join(TRACKERS)})")
+        raise UserError(f"--report-to {' '.join(args.report_to)}: none means no tracking; pass "
+                        f"--report-to none alone, or only trackers ({', '.join(TRACKERS)})")
     if args.batch_size % args.grad_accum:  # the processes' share is checked once they are known
         below = args.batch_size - args.batch_size % args.grad_accum
         raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum "
@@ -265,10 +265,11 @@ def check_args(args: argparse.Namespace) -> None:
     # first step with "value cannot be converted to type float without overflow".
     scale = args.batch_size / args.reference_batch_size if args.scale_lr else 1
     if args.lr is not None and not 0 < args.lr * max(scale, 1) <= FLOAT32_MAX:
-        raise UserError(f"--lr {args.lr}: must be a positive number, at most {FLOAT32_MAX:.3g} "
+        raise UserError(f"--lr {args.lr}: must be a positive number, e.g. "
+                        f"{DEFAULT_LR[args.optimizer]}, at most {FLOAT32_MAX:.3g} "
                         f"(float32's largest) once scaled by --scale-lr")
     if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
-        raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number")
+        raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number, e.g. 1.0")
     # torch's SGD refuses Nesterov without momentum; 1 or more diverges
     if not 0 < args.momentum < 1:
         raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and "

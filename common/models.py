@@ -115,7 +115,8 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
         tv_names = torchvision.models.list_models(module=torchvision.models)
         if tv_name not in tv_names:
             close = difflib.get_close_matches(tv_name, tv_names, n=5)
-            hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, mobilenet_v3_small"
+            hint = ("closest: " + ", ".join(TORCHVISION_PREFIX + match for match in close) if close
+                    else "e.g. torchvision:resnet50, torchvision:mobilenet_v3_small")
             raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} "
                             f"({hint}); {rule}")
         return _torchvision_model(name, tv_name, num_classes, image_size)
@@ -133,7 +134,8 @@ def check_timm_name(name: str, timm_name: str) -> None:
 
     if not timm.is_model(timm_name):
         close = difflib.get_close_matches(timm_name, timm.list_models(), n=5)
-        hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, convnext_tiny"
+        hint = (f"closest: {', '.join(TIMM_PREFIX + match for match in close)}" if close
+                else f"e.g. {TIMM_PREFIX}resnet50, {TIMM_PREFIX}convnext_tiny")
         raise UserError(f"unknown timm model {timm_name!r} in --model {name!r} ({hint}); NAME "
                         f"is any of timm.list_models(), with or without a pretrained tag")
     arch, _, tag = timm_name.partition(".")

@@ -86,9 +86,11 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     # processes started a second apart must agree
     path = Path(broadcast_object_list([str(path)])[0])
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
-        fail_together(accelerator, f"--resume {given}: not a checkpoint folder; pass "
-                      f"runs/NAME/checkpoints/step_NNNNNNNN or --resume alone for the newest "
-                      f"checkpoint of --output-dir")
+        fix = (f"it is a run's folder: pass --output-dir {given} --resume for its newest "
+               f"checkpoint" if (given / CHECKPOINT_DIR).is_dir() else
+               "pass runs/NAME/checkpoints/step_NNNNNNNN, or --output-dir RUN --resume for the "
+               "newest checkpoint of a run")
+        fail_together(accelerator, f"--resume {given}: not a checkpoint folder; {fix}")
     decision = [None, None]  # the checkpoint to continue from, or the line that stops every process
     if accelerator.is_main_process:
         lock = None
@@ -122,8 +124,8 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
         problem = checkpoint_problem(given)
         if problem:
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
-                            f"complete one, or --resume alone for the newest complete checkpoint "
-                            f"of --output-dir")
+                            f"complete one, or --output-dir {given.parent.parent} --resume for "
+                            f"its newest complete checkpoint")
         if path != given.parent.parent:
             check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
         else:
@@ -156,8 +158,8 @@ def _newest_complete(path: Path, prefix: str) -> str | None:
     found = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged.items())
     if damaged and checkpoint is None:
         raise UserError(f"{prefix}no checkpoint in {path / CHECKPOINT_DIR} is complete ({found}): "
-                        f"restore the damaged files, or remove {path / CHECKPOINT_DIR} and "
-                        f"--resume to start the run again from step 0")
+                        f"restore the damaged files, or start the run again from step 0 in "
+                        f"another --output-dir")
     if damaged:
         print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): "
               f"resuming from {checkpoint}, the newest complete one", file=sys.stderr, flush=True)
@@ -176,7 +178,7 @@ def check_no_later_record(path: Path, given: Path) -> None:
         return
     went_on = (f"has finished (model.safetensors; {_recorded_epochs(path) or 'no metrics'})"
                if finished else f"went on to {newer[0].name}")
-    newest = "" if finished else ", or --resume alone to continue from its newest checkpoint"
+    newest = "" if finished else f", or --output-dir {path} --resume to continue from its newest"
     raise UserError(f"--resume {given}: the run in {path} {went_on}; continuing it from "
                     f"{given.name} in place would replace its record: add --output-dir NEW to "
                     f"continue from {given.name} in a new folder{newest}")

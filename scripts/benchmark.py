@@ -232,10 +232,12 @@ def parse_args(argv=None):
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be 1 or more")
     if args.loader_files is not None and args.loader_files < args.per_device_batch_size:
         raise UserError(f"--loader-files {args.loader_files}: less than one batch of "
-                        f"--per-device-batch-size {args.per_device_batch_size}; raise it")
+                        f"--per-device-batch-size {args.per_device_batch_size}; raise it to "
+                        f"{args.per_device_batch_size} or more")
     if {"all", "data"} & set(args.checks) and args.loader_images < args.per_device_batch_size:
         raise UserError(f"--loader-images {args.loader_images}: less than one batch of "
-                        f"--per-device-batch-size {args.per_device_batch_size}; raise it")
+                        f"--per-device-batch-size {args.per_device_batch_size}; raise it to "
+                        f"{args.per_device_batch_size} or more")
     if any(batch < 1 for batch in args.sweep_batch_size or []):
         raise UserError(f"--sweep-batch-size {' '.join(map(str, args.sweep_batch_size))}: "
                         f"each must be 1 or more")
@@ -244,7 +246,8 @@ def parse_args(argv=None):
         raise UserError(f"--sweep-batch-size varies the per-device batch but --global-batch-size "
                         f"{args.global_batch_size} holds the global batch: drop one of them")
     if not 0 < args.timeout < math.inf:
-        raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds")
+        raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds, e.g. "
+                        f"{parser.get_default('timeout'):g}")
     if args.data_dir and args.dataset == "synthetic":
         raise UserError(f"--data-dir {args.data_dir} with --dataset synthetic: "
                         f"add --dataset cifar10 (or cifar100)")

@@ -103,7 +103,7 @@ def parse_args(argv=None):
     for flag in ("size_mb", "timeout"):  # written so that NaN fails too
         if not 0 < getattr(args, flag) < math.inf:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: "
-                            f"must be a positive number")
+                            f"must be a positive number, e.g. {parser.get_default(flag):g}")
     if args.iters < 1:
         raise UserError(f"--iters {args.iters}: must be 1 or more")
     if args.cpu_processes < 2:  # one process sums with no one: nothing would go between processes

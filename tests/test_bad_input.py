@@ -192,7 +192,7 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
           ("train_single", ["--report-to", "x"], ("argument --report-to: invalid choice: 'x' (choose from "
                                                   "'wandb', 'tensorboard', 'mlflow', 'none'); see --help")),
           ("train_single", ["--report-to", "none", "wandb"], ("--report-to none wandb: none means no tracking; "
-                                                              "pass it alone, or only trackers (wandb, "
+                                                              "pass --report-to none alone, or only trackers (wandb, "
                                                               "tensorboard, mlflow)")),
           ("train_dp", ["--bad-images", "x"],
            "argument --bad-images: invalid choice: 'x' (choose from 'stop', 'skip'); see --help"),
@@ -204,14 +204,14 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
            f"with train-*.parquet and test-*.parquet files, a save_to_disk folder (dataset_dict.json), "
            f"cifar-10-batches-py or cifar-100-python (folder or .tar.gz), or an image folder train/<class>/* with "
            f"test/<class>/* (or val/, validation/)"),
-          ("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positive number"),
+          ("train_amp", ["--clip-grad", "0"], "--clip-grad 0.0: must be a positive number, e.g. 1.0"),
           ("train_ddp", ["--grad-accum", "0"], "--grad-accum 0: must be 1 or more"),
           ("train_single", ["--batch-size", "64", "--grad-accum", "3"],
            "--batch-size 64 does not divide into --grad-accum 3 micro-batches: use 63 or 66"),
           ("train_single", ["--lr", "-0.1"], "--lr -0.1: must be a positive number"
-           ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
+           ", e.g. 0.1, at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
           ("train_ddp", ["--lr", "inf"], "--lr inf: must be a positive number"
-           ", at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
+           ", e.g. 0.1, at most 3.4e+38 (float32's largest) once scaled by --scale-lr"),
           ("train_dp", ["--reference-batch-size", "0"], "--reference-batch-size 0: must be 1 or more"),
           ("train_single", ["--head-lr-scale", "1e300"], "--head-lr-scale 1e+300: the classifier's lr would be 1e+299, "
            "outside what float32 holds (1.18e-38 to 3.4e+38); use a scale such as 10"),
@@ -274,15 +274,15 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
            "--dist-timeout 0.0: must be a number of seconds from 10 to 1000000000, e.g. 600 (below 10 the "
            "others time out while the main process starts the tracker or writes a checkpoint)"),
           ("train_single", ["--model", "torchvision:resnet51"],
-           "unknown torchvision model 'resnet51' in --model 'torchvision:resnet51' (closest: resnet50, resnet18, "
-           "resnet152, resnet101, resnet34); NAME is any of torchvision.models.list_models(module=torchvision.models)"),
+           "unknown torchvision model 'resnet51' in --model 'torchvision:resnet51' (closest: torchvision:resnet50, "
+           "torchvision:resnet18, torchvision:resnet152, torchvision:resnet101, torchvision:resnet34); NAME is any of torchvision.models.list_models(module=torchvision.models)"),
           ("evaluate", ["--weights", "w.safetensors", "--model", "resnet99"],
            "unknown model 'resnet99': choose one of resnet18, resnet34, resnet50, resnet20, resnet32, resnet56, "
            "torchvision:NAME (e.g. torchvision:resnet50) where NAME is any of "
            "torchvision.models.list_models(module=torchvision.models), or timm:NAME (e.g. timm:resnet50) where "
            "NAME is any of timm.list_models()"),
           ("train_single", ["--model", "timm:zzzz"],  # no close name, whatever timm's version lists
-           "unknown timm model 'zzzz' in --model 'timm:zzzz' (e.g. resnet50, convnext_tiny); NAME is any of "
+           "unknown timm model 'zzzz' in --model 'timm:zzzz' (e.g. timm:resnet50, timm:convnext_tiny); NAME is any of "
            "timm.list_models(), with or without a pretrained tag"),
           ("train_single", ["--val-fraction", "nan"], "--val-fraction nan: must be between 0 and 1, e.g. 0.1"),
           ("train_dp", ["--loader-budget", "nan"], "--loader-budget nan: must be a number of GB, 0 or more"),
@@ -295,18 +295,18 @@ RANGES = [("train_single", ["--image-size", "4097"], "--image-size 4097: must be
            f"--cache-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --cache-dir"),
           ("benchmark", ["--output-dir", f"{ROOT}/README.md"],
            f"--output-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --output-dir"),
-          ("benchmark", ["--timeout", "nan"], "--timeout nan: must be a positive number of seconds"),
+          ("benchmark", ["--timeout", "nan"], "--timeout nan: must be a positive number of seconds, e.g. 1800"),
           ("benchmark", ["--sweep-batch-size", "64", "0"], "--sweep-batch-size 64 0: each must be 1 or more"),
           ("benchmark", ["--sweep-batch-size", "64", "--global-batch-size", "256"],
            "--sweep-batch-size varies the per-device batch but --global-batch-size 256 holds the global batch: drop "
            "one of them"),
           ("benchmark", ["--per-device-batch-size", "512", "--loader-images", "100"],
-           "--loader-images 100: less than one batch of --per-device-batch-size 512; raise it"),
+           "--loader-images 100: less than one batch of --per-device-batch-size 512; raise it to 512 or more"),
           ("gpu_check", ["--budget", "10"], "--budget 10: must be from 60 to 86400 seconds, e.g. 540"),
           ("gpu_check", ["--output-dir", f"{ROOT}/README.md"],
            f"--output-dir {ROOT}/README.md: must be a folder, but it is a file; choose another --output-dir"),
-          ("check_gpus", ["--size-mb", "nan"], "--size-mb nan: must be a positive number"),
-          ("check_gpus", ["--timeout", "0"], "--timeout 0.0: must be a positive number"),
+          ("check_gpus", ["--size-mb", "nan"], "--size-mb nan: must be a positive number, e.g. 64"),
+          ("check_gpus", ["--timeout", "0"], "--timeout 0.0: must be a positive number, e.g. 120"),
           ("check_gpus", ["--iters", "0"], "--iters 0: must be 1 or more"),
           ("check_gpus", ["--cpu-processes", "1"], "--cpu-processes 1: must be 2 or more")]
 

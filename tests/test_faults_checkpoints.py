@@ -124,7 +124,7 @@ def test_a_listed_checkpoint_that_does_not_load_falls_back(base, copy):
     assert same_weights(weights(copy), weights(base))
 
 
-def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(copy, tmp_path):
+def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(base, copy, tmp_path):
     """--resume RUN/checkpoints/step_N names the checkpoint to load: when it does not load (a
     garbled scheduler.bin listed with its digest), one line names a complete one to pass instead,
     and nothing of the run changes."""
@@ -137,8 +137,14 @@ def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(co
     assert done.returncode == 1, done.stderr
     [line] = diagnostics(done.stderr)
     assert line.startswith(f"error: --resume {newest}: the checkpoint is damaged (scheduler.bin does not load (")
-    assert line.endswith(f"); pass a complete one, such as {copy}/checkpoints/{step(6)}"), line
+    assert line.endswith(f"); the newest complete one is {copy}/checkpoints/{step(6)}: continue from it with "
+                         f"--output-dir {copy} --resume"), line
     assert tree_digest(copy) == before
+    # followed as printed: the run continues from step 6 and ends as the uninterrupted one
+    advice = line.rpartition(" with ")[2].split()
+    done = run("train_single.py", *FLAGS, *advice, cwd=tmp_path)
+    assert f"resuming from {copy}/checkpoints/{step(6)}" in done.stderr
+    assert same_weights(weights(copy), weights(base))
 
 
 def test_a_checkpoint_of_one_parameter_group_is_said_to_be_of_an_earlier_version(copy, tmp_path):
@@ -200,8 +206,12 @@ def test_an_older_step_of_a_run_that_went_on_is_refused(copy, tmp_path):
     done = run("train_single.py", *FLAGS, "--resume", older, check=False, cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.splitlines() == [
         f"error: --resume {older}: the run in {copy} went on to {step(8)}; continuing it from {step(4)} in place "
-        f"would replace its record: add --output-dir NEW to continue from {step(4)} in a new folder, or --resume "
-        f"alone to continue from its newest checkpoint"]
+        f"would replace its record: add --output-dir NEW to continue from {step(4)} in a new folder, or "
+        f"--output-dir {copy} --resume to continue from its newest"]
+    # the second choice followed as printed: the run continues from step 8 to its end
+    advice = done.stderr.rpartition(", or ")[2].split()[:3]
+    done = run("train_single.py", *FLAGS, *advice, cwd=tmp_path)
+    assert f"resumed from {copy}/checkpoints/{step(8)}" in done.stdout and weights(copy)
 
 
 def test_resume_after_the_checkpoints_were_deleted_says_so_and_changes_nothing(copy, tmp_path):
@@ -240,8 +250,8 @@ def test_resume_with_no_complete_checkpoint_is_one_line_and_changes_nothing(copy
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
     assert done.returncode == 1 and diagnostics(done.stderr) == [
         f"error: --resume: no checkpoint in {copy}/checkpoints is complete ({step(8)}: model.safetensors has "
-        f"{size - 3} bytes where {size} were written): restore the damaged files, or remove {copy}/checkpoints "
-        f"and --resume to start the run again from step 0"]
+        f"{size - 3} bytes where {size} were written): restore the damaged files, or start the run again from "
+        f"step 0 in another --output-dir"]
     assert tree_digest(copy) == before
 
 
@@ -297,7 +307,7 @@ def test_resume_in_another_precision_or_with_other_flags_is_one_line(copy, tmp_p
     assert tree_digest(copy) == before
 
 
-def test_weights_that_are_not_finite_are_not_written(copy):
+def test_weights_that_are_not_finite_are_not_written(base, copy, tmp_path):
     """A checkpoint that holds an inf (digests rewritten: it was trained in, not damaged since)."""
     newest = copy / "checkpoints" / step(8)
     name = poison(newest / "model.safetensors")
@@ -314,6 +324,10 @@ def test_weights_that_are_not_finite_are_not_written(copy):
         f"resume from an earlier one into a new --output-dir (--resume CHECKPOINT --output-dir NEW), or start "
         f"again"]
     assert tree_digest(copy) == before
+    # followed: an earlier checkpoint continued into a new folder ends as the uninterrupted run
+    run("train_single.py", *FLAGS, "--resume", copy / "checkpoints" / step(6), "--output-dir", tmp_path / "new",
+        cwd=tmp_path)
+    assert same_weights(weights(tmp_path / "new"), weights(base))
 
 
 def evaluate(weights_file, *extra):

@@ -34,6 +34,8 @@ import PIL.Image
 import pytest
 from helpers import ROOT, bad_ends, execute, run, user_env
 
+from common.data.sources import open_source
+
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file",
               str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2")
@@ -101,11 +103,16 @@ def one_class_runs(tmp_path_factory):
         return dict(pool.map(one_run, cases)), cases
 
 
-def test_an_image_folder_of_one_class_is_refused(one_class_runs):
+def test_an_image_folder_of_one_class_is_refused(one_class_runs, tmp_path):
     (out, done), root = one_class_runs[0]["one"], one_class_runs[1]["one"]
     assert refused(done, out) == (f"error: image folder {root} has one class folder, train/cat/: a "
                                   f"classifier needs 2 or more classes; put each class's images in "
                                   f"its own train/<class>/")
+    # followed: a second class's images in train/dog/ (and test/dog/), and the folder opens
+    folder = shutil.copytree(root, tmp_path / "images")
+    for split in ("train", "test"):
+        shutil.copytree(folder / split / "cat", folder / split / "dog")
+    assert open_source(data_dir=str(folder)).classes == ["cat", "dog"]
 
 
 def test_classes_one_level_too_deep_are_refused_with_the_move_that_fixes_them(one_class_runs):
@@ -204,7 +211,7 @@ def test_an_absurd_synthetic_size_is_one_line(tmp_path):
     assert line.startswith("error: --synthetic-train-size 1000000000000 and --synthetic-test-size "
                            "1000: 1000000001000 synthetic images of 32x32 take 3.072e+06 GB, more "
                            "than this machine's ")
-    assert line.endswith(" GB of memory; make fewer (CIFAR-10 has 60000)")
+    assert re.search(r" GB of memory; use --synthetic-train-size \d+ or fewer \(CIFAR-10 has 60000\)$", line), line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,7 +272,7 @@ def test_a_model_that_cannot_take_the_size_is_refused_before_anything_is_written
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lr", "1e300"], ("--lr 1e+300: must be a positive number, at most 3.4e+38 (float32's "
+    (["--lr", "1e300"], ("--lr 1e+300: must be a positive number, e.g. 0.1, at most 3.4e+38 (float32's "
                          "largest) once scaled by --scale-lr")),
     (["--weight-decay", "1e300"], ("--weight-decay 1e+300: must be a number, 0 (none) or more, at "
                                    "most 3.4e+38 (float32's largest)")),

@@ -269,7 +269,7 @@ def test_loader_device_over_the_budget_is_refused(sources, accelerator, tmp_path
     message = error.value.message
     assert "\n" not in message
     assert message.startswith("--loader device: the 42 images at 32px decoded take 0.1 MB, over the budget of "
-                              "0.0 MB (--loader-budget)") and "use --loader workers" in message
+                              "0.0 MB (--loader-budget); use --loader auto (over --loader-budget it loads through the workers)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,15 +541,20 @@ def test_val_fraction_carves_alike_on_both_loaders_when_a_bad_image_is_skipped(a
     assert sides == {True, False}  # the bad image fell on each side for some seed
 
 
-def test_image_folder_whose_splits_differ(bad_runs):
+def test_image_folder_whose_splits_differ(bad_runs, tmp_path):
     line = last_line(bad_runs[0]["mismatched"])
     assert "the class folders of train/ and val/ differ (dog missing from val/; dogs missing from train/)" in line
+    assert line.endswith("; give both splits the same class folders")
+    # followed: val/dogs named as train/ names it, the folder opens with both classes
+    folder = shutil.copytree(line.split("image folder ")[1].split(": ")[0], tmp_path / "images")
+    (folder / "val" / "dogs").rename(folder / "val" / "dog")
+    assert "dog" in open_source(data_dir=str(folder)).classes
 
 
 def test_loader_device_over_budget(bad_runs):
     line = last_line(bad_runs[0]["over budget"])
     assert line.startswith("error: --loader device: the 22 images at 32px decoded take 0.1 MB, over the budget "
-                           "of 0.0 MB (--loader-budget); use --loader workers")
+                           "of 0.0 MB (--loader-budget); use --loader auto")
 
 
 @pytest.mark.parametrize("flags, message", [

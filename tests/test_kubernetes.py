@@ -217,15 +217,23 @@ def test_another_job_in_that_folder_is_refused(taken, monkeypatch, job):
         resolve()
     assert error.value.message == (f"--output-dir {out} already holds a run: add --resume to continue it, or "
                                    f"choose another --output-dir")
+    # followed as printed: with --resume the job continues the run in that folder
+    assert lock_run_and_find_resume(MainProcess(), str(out), "latest", "train_ddp.py") == (
+        out, out / "checkpoints" / "step_00000004")
 
 
-def test_a_job_its_scheduler_names_needs_an_output_dir(monkeypatch):
+def test_a_job_its_scheduler_names_needs_an_output_dir(monkeypatch, tmp_path):
     """Without one, each start would train from step 0 in a new folder."""
     monkeypatch.setenv(JOB_ID_VARIABLE, "first")
     with pytest.raises(UserError) as error:
         lock_run_and_find_resume(MainProcess(), None, None, "train_ddp.py")
     assert error.value.message == ("a restartable launch (--max_restarts, TRAINING_JOB_ID) needs --output-dir, so "
                                    "that a restarted worker finds the run's checkpoints: add --output-dir runs/NAME")
+    # followed as printed: the job starts in that folder, and a restart of it finds it again
+    monkeypatch.chdir(tmp_path)
+    given = error.value.message.rpartition("add --output-dir ")[2]
+    assert lock_run_and_find_resume(MainProcess(), given, None, "train_ddp.py") == (Path(given), None)
+    assert (tmp_path / given / JOB_FILE).read_text() == "job first\n"  # what a restart of the job finds
 
 
 # ------------------------------------------------------------------------------------- the pods

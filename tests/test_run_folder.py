@@ -140,9 +140,18 @@ def test_with_no_complete_checkpoint_resume_stops_with_one_line(out):
     assert error.value.message.startswith(
         f"--resume: no checkpoint in {out}/checkpoints is complete (step_00000008: optimizer.bin is missing; "
         f"step_00000004: model.safetensors has ")
-    assert error.value.message.endswith(f"restore the damaged files, or remove {out}/checkpoints and --resume to "
-                                        f"start the run again from step 0")
+    assert error.value.message.endswith("restore the damaged files, or start the run again from step 0 in another "
+                                        "--output-dir")
     assert tree_digest(out) == before and not (out / LOCK_FILE).exists()
+
+
+def test_a_run_folder_given_for_a_checkpoint_is_refused_and_the_advice_resumes(out):
+    with pytest.raises(UserError) as error:
+        lock_run_and_find_resume(MainProcess(), None, str(out), "train_single.py")
+    assert error.value.message == (f"--resume {out}: not a checkpoint folder; it is a run's folder: pass "
+                                   f"--output-dir {out} --resume for its newest checkpoint")
+    # followed as printed
+    assert resolve(out, resume="latest") == (out, out / "checkpoints" / "step_00000008")
 
 
 def test_a_damaged_checkpoint_named_by_resume_is_refused(out):
@@ -151,8 +160,10 @@ def test_a_damaged_checkpoint_named_by_resume_is_refused(out):
     with pytest.raises(UserError) as error:
         resolve(out, resume=str(given))
     assert error.value.message == (f"--resume {given}: the checkpoint is damaged (scheduler.bin is missing); pass a "
-                                   f"complete one, or --resume alone for the newest complete checkpoint of "
-                                   f"--output-dir")
+                                   f"complete one, or --output-dir {out} --resume for its newest complete "
+                                   f"checkpoint")
+    # followed as printed: the newest complete one, the damaged one passed over
+    assert resolve(out, resume="latest") == (out, out / "checkpoints" / "step_00000004")
 
 
 def test_a_restarted_worker_resumes_from_the_newest_complete_checkpoint(out, monkeypatch, capsys):

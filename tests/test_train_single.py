@@ -188,6 +188,8 @@ def test_evaluate_refuses_another_image_size(full_run):
     done = run("evaluate.py", "--weights", trained, *DATA, "--image-size", 64, check=False)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"error: --weights {trained} were trained on 32px images, not --image-size 64: drop --image-size"]
+    followed = run("evaluate.py", "--weights", trained, *DATA)  # as it says
+    assert followed.stdout.startswith("test_acc=")
 
 
 def test_evaluate_says_when_weights_do_not_fit(full_run):

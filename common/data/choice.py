@@ -46,8 +46,9 @@ def _choose(wanted: str, images: int, size: int, device: torch.device, budget_gb
         return "device", summary if wanted == "auto" else "--loader device"
     if wanted == "device":
         raise UserError(f"--loader device: the {images} images at {size}px decoded take "
-                        f"{_gb(need)}, over the budget of {_gb(budget)} ({of_what}); use --loader "
-                        f"workers (or auto)")
+                        f"{_gb(need)}, over the budget of {_gb(budget)} ({of_what}); "
+                        + ("use --loader auto (over --loader-budget it loads through the workers)"
+                           if budget_gb is not None else "use --loader workers (or auto)"))
     return "workers", summary
 
 

@@ -72,8 +72,11 @@ def check_synthetic_size(train_size: int, test_size: int, image_size: int | None
     need = (train_size + test_size) * 3 * pixels
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory:
-        size = image_size or 32
+        size, fit = image_size or 32, memory // (3 * pixels)  # images that fit, both splits
+        flag, most = (("--synthetic-train-size", fit - test_size) if test_size < fit
+                      else ("--synthetic-test-size", fit // 2))
         raise UserError(f"--synthetic-train-size {train_size} and --synthetic-test-size "
                         f"{test_size}: {train_size + test_size} synthetic images of "
                         f"{size}x{size} take {need / 1e9:.4g} GB, more than this machine's "
-                        f"{memory / 1e9:.0f} GB of memory; make fewer (CIFAR-10 has 60000)")
+                        f"{memory / 1e9:.0f} GB of memory; use {flag} {most} or fewer "
+                        f"(CIFAR-10 has 60000)")
