@@ -38,7 +38,7 @@ from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_availabl
 from common.errors import first_line
 from common.failures import main_alone
 from common.run_record import flat_config, write_config, write_metrics
-from common.utilisation import GpuBusy, process_gpus, utilisation_figures
+from common.utilisation import DataWait, GpuBusy, process_gpus, utilisation_figures
 
 DEFAULT_PROJECT = "multigpu-cifar"
 # Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
@@ -121,19 +121,27 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
         if isinstance(tracker, RunFolderTensorBoard):
             tracker.place(project, output_dir / TENSORBOARD_DIR)
             new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
-    try:
-        accelerator.init_trackers(project, config=None, init_kwargs=init)
-        for tracker in accelerator.trackers:  # a resumed run keeps the parameters it started with
-            if tracker.name == "wandb":  # (MLflow refuses to change one): config.json has them
-                tracker.store_init_configuration(config)  # wandb keeps the nesting
-            elif new_run[tracker.name]:  # TensorBoard's hparams and MLflow's params are flat
-                tracker.store_init_configuration(flat_config(config))
-    except Exception as error:  # noqa: BLE001 - tracking must never stop training
-        _give_up(accelerator, f"{' and '.join(names)} did not start ({first_line(error)})")
-        return
-    if accelerator.is_main_process and "mlflow" in names:  # MLflow chose it: kept for --resume
+    requested, failed = accelerator.log_with, []
+    for tracker in requested:  # one at a time: a server that fails takes its own tracker only
+        accelerator.log_with, started = [tracker], accelerator.trackers[:]
+        try:
+            accelerator.init_trackers(project, config=None, init_kwargs=init)
+            for new in accelerator.trackers[len(started):]:  # a resumed run keeps the parameters
+                if new.name == "wandb":  # it started with (MLflow refuses to change one)
+                    new.store_init_configuration(config)  # wandb keeps the nesting
+                elif new_run[new.name]:  # TensorBoard's hparams and MLflow's params are flat
+                    new.store_init_configuration(flat_config(config))
+        except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            failed.append(f"{_name(tracker)} did not start ({first_line(error)})")
+            _give_up(accelerator, None, accelerator.trackers[len(started):])
+    accelerator.log_with = requested
+    for why in failed:
+        accelerator.print(f"warning: {why}; training goes on without "
+                          f"{'it' if accelerator.trackers else 'tracking'}")
+    names = [tracker.name for tracker in accelerator.trackers]  # the main process's
+    if "mlflow" in names:  # MLflow chose it: kept for --resume
         progress.mlflow_run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
-    _say_where(accelerator, names, output_dir, project, offline)
+    _say_where(accelerator, names, output_dir, project, offline and "wandb" in names)
 
 
 def start_run(accelerator, script: str, args, config: dict, output_dir: Path, progress,
@@ -270,14 +278,16 @@ class StepLogger:
         self.last_step, self.last_time = step, now
 
 
-def _give_up(accelerator, why: str) -> None:
-    accelerator.print(f"warning: {why}; training goes on without tracking")
-    for tracker in accelerator.trackers:
+def _give_up(accelerator, why: str | None, trackers: list | None = None) -> None:
+    """``trackers`` (all) finished as well as they can and logged to no more; ``why`` said."""
+    if why:
+        accelerator.print(f"warning: {why}; training goes on without tracking")
+    for tracker in accelerator.trackers if trackers is None else trackers:
         try:
             tracker.finish()
         except Exception:  # noqa: BLE001, S110 - already failing; nothing more to report
             pass
-    accelerator.trackers = []
+    accelerator.trackers = [t for t in accelerator.trackers if trackers is not None and t not in trackers]
 
 
 # Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
@@ -355,46 +365,3 @@ class EpochMeter:
                 "img_per_s": self.steps * self.batch_size / seconds,
                 "data_wait_frac": self.wait.seconds() / seconds,
                 **utilisation_figures(self.busy)}  # a collective with several processes
-
-
-class DataWait:
-    """How long each epoch waited for its training batches: from the end of one step's work to the
-    batch ready for the next forward pass.
-
-    On a CPU the host clock measures it. On a GPU the host runs ahead of the device, so the host
-    clock would measure whatever the device was still busy with; CUDA events in the stream measure
-    the device's time instead: the batch's own work (indexing, augmentation) plus any time the
-    device sat idle waiting for the host to fetch it. Reading them waits for the device, so
-    ``seconds`` is called once an epoch.
-    """
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.spans, self.total, self.tick = [], 0.0, None
-
-    def start(self) -> None:
-        """At the end of a step (and before the first)."""
-        self.tick = self._now()
-
-    def stop(self) -> None:
-        """Once the batch is ready for the model."""
-        if self.cuda:
-            self.spans.append((self.tick, self._now()))
-        else:
-            self.total += time.perf_counter() - self.tick
-
-    def seconds(self) -> float:
-        """The wait since the last call."""
-        if self.spans:
-            self.spans[-1][1].synchronize()
-            self.total += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
-        total, self.total, self.spans = self.total, 0.0, []
-        return total
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-

@@ -7,7 +7,8 @@ package) and averaged over the epoch. A process of a DDP job reads its own GPU a
 figures are gathered (one value per GPU, in process order); a lone process reads every GPU it can
 see, so DataParallel's replicas are all there. Where there is no GPU, or no NVML, ``why_absent``
 says why, in the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each
-process's peak of allocated GPU memory (peak_memory).
+process's peak of allocated GPU memory (peak_memory); and how long training waited for its
+batches (DataWait).
 """
 
 import threading
@@ -96,3 +97,46 @@ def peak_memory(accelerator) -> dict[str, list[float]]:
                         device=accelerator.device)
     torch.cuda.reset_peak_memory_stats(accelerator.device)
     return {"gpu_mem_peak_gb": [round(value, 3) for value in accelerator.gather(peak).tolist()]}
+
+
+class DataWait:
+    """How long each epoch waited for its training batches: from the end of one step's work to the
+    batch ready for the next forward pass.
+
+    On a CPU the host clock measures it. On a GPU the host runs ahead of the device, so the host
+    clock would measure whatever the device was still busy with; CUDA events in the stream measure
+    the device's time instead: the batch's own work (indexing, augmentation) plus any time the
+    device sat idle waiting for the host to fetch it. Reading them waits for the device, so
+    ``seconds`` is called once an epoch.
+    """
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans, self.total, self.tick = [], 0.0, None
+
+    def start(self) -> None:
+        """At the end of a step (and before the first)."""
+        self.tick = self._now()
+
+    def stop(self) -> None:
+        """Once the batch is ready for the model."""
+        if self.cuda:
+            self.spans.append((self.tick, self._now()))
+        else:
+            self.total += time.perf_counter() - self.tick
+
+    def seconds(self) -> float:
+        """The wait since the last call."""
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            self.total += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+        total, self.total, self.spans = self.total, 0.0, []
+        return total
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+

@@ -152,25 +152,30 @@ def test_a_full_disk_under_fsdp2_with_a_weight_average_ends_both_processes(tmp_p
         assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
 
 
-def test_a_tracker_server_that_does_not_answer_costs_its_bound_and_one_warning(tmp_path):
-    """wandb online, its server accepting connections and never answering, its start bounded at 12 s
-    (WANDB_INIT_TIMEOUT), above --dist-timeout's 10: the other process waits for the main one in the
-    store, not in a collective that the timeout would end; the run finishes, one warning said."""
+def test_tracker_servers_that_do_not_answer_cost_their_bounds_and_one_warning_each(tmp_path):
+    """wandb online and MLflow, their server accepting connections and never answering, wandb's
+    start bounded at 12 s (WANDB_INIT_TIMEOUT) and MLflow's at about 23 s, each above --dist-timeout's
+    10: the other process waits for the main one in the store, not in a collective that the timeout
+    would end; the run finishes, one warning said for each."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # the kernel accepts; nothing reads or answers
-    env = {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
-           "WANDB_INIT_TIMEOUT": "12"}
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    env = {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": url, "WANDB_INIT_TIMEOUT": "12", "MLFLOW_TRACKING_URI": url}
     with silent:
         job = Processes("train_ddp.py", "--dataset", "synthetic", "--synthetic-train-size", "64",
                         "--synthetic-test-size", "32", "--model", "resnet20", "--batch-size", "16", "--epochs", "1",
-                        "--report-to", "wandb", "--dist-timeout", "10", "--output-dir", tmp_path / "run", cwd=tmp_path,
-                        env_extra=env)
+                        "--report-to", "wandb", "mlflow", "--dist-timeout", "10", "--output-dir", tmp_path / "run",
+                        cwd=tmp_path, env_extra=env)
         assert job.wait(timeout=240) == [0, 0], job.output()
     said = job.stdout(0).splitlines()
     assert "wandb: starting its run online (a server that does not answer costs 12 s, then training goes on " \
            "without it)" in said, job.output()
-    [warning] = [line for line in said if line.startswith("warning:")]
-    assert warning.startswith("warning: wandb did not start (") and warning.endswith(
-        "); training goes on without tracking"), warning
-    assert "done: step 4" in job.stdout(0) and lines(job.stderr(1)) == [] and (tmp_path / "run" / "model.safetensors").is_file()
+    assert f"mlflow: starting its run at {url} (one that does not answer costs about 23 s, then training goes " \
+           f"on)" in said, job.output()
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert [warning.split(" (")[0] for warning in warnings] == ["warning: wandb did not start",
+                                                                "warning: mlflow did not start"], warnings
+    assert all(warning.endswith("); training goes on without tracking") for warning in warnings), warnings
+    assert "done: step 4" in job.stdout(0) and lines(job.stderr(1)) == []
+    assert (tmp_path / "run" / "model.safetensors").is_file()

@@ -55,7 +55,7 @@ from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.models import build_model
 from common.step_guard import StepGuard
-from common.tracking import DataWait
+from common.utilisation import DataWait
 
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from common import tracking
+from common import tracking, utilisation
 from common.checkpoints import latest_checkpoint
 from common.data.device import on_device
 from common.data.synthetic import make_synthetic
@@ -20,7 +20,8 @@ from common.data.transform import BatchTransform
 from common.errors import UserError
 from common.numerics import choose_mixed_precision, set_numerics
 from common.step_guard import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, announce_stop
-from common.tracking import DataWait, start_tracking
+from common.tracking import start_tracking
+from common.utilisation import DataWait
 
 
 class FakeAccelerator:
@@ -221,7 +222,7 @@ def test_the_normalisation_constants_move_to_the_device_once():
 def test_data_wait_sums_the_waits_of_an_epoch_and_starts_again(monkeypatch):
     """A clock the test moves (a loaded machine's sleeps overshoot): 20 ms waits, 30 ms steps."""
     now = [100.0]
-    monkeypatch.setattr(tracking, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(utilisation, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     wait = DataWait(torch.device("cpu"))
     for _ in range(3):
         wait.start()

@@ -269,7 +269,8 @@ def test_loader_device_over_the_budget_is_refused(sources, accelerator, tmp_path
     message = error.value.message
     assert "\n" not in message
     assert message.startswith("--loader device: the 42 images at 32px decoded take 0.1 MB, over the budget of "
-                              "0.0 MB (--loader-budget); use --loader auto (over --loader-budget it loads through the workers)")
+                              "0.0 MB (--loader-budget); use --loader auto (over --loader-budget it loads through "
+                              "the workers)")
 
 
 # ----------------------------------------------------------------------------------------------
