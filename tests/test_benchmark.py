@@ -23,9 +23,14 @@ import torch
 from helpers import ROOT, make
 from PIL import Image
 
-TINY = ["--model", "resnet20", "--per-device-batch-size", "16", "--steps", "10", "--strategies", "single", "ddp2",
+# As small as the protocol allows, as the tests check what the figures are made of, not how large they
+# are: the checks' 5 plain loops run STEPS steps in each of 3 rounds, and the bf16 one (precision)
+# takes about 0.6 s a step at batch 8 on 2 CPU cores, 1.5 s at batch 16. With STEPS = 3 a launch's
+# median step is still the middle one, no mean. FILES: 4 batches an epoch in the loader check's epochs.
+BATCH, STEPS, FILES = 8, 3, 32
+TINY = ["--model", "resnet20", "--per-device-batch-size", BATCH, "--steps", STEPS, "--strategies", "single", "ddp2",
         "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "--loader-images", "256",
-        "--loader-files", "64", "--matmul-size", "256", "--sweep-batch-size", "16"]
+        "--loader-files", FILES, "--matmul-size", "256", "--sweep-batch-size", BATCH]
 
 
 def load_script(name):
@@ -49,7 +54,7 @@ def run_script(path, *args):
 def report(tmp_path_factory):
     # Launched as the README launches it: `make bench ARGS=...` (one thread per process, see run_script).
     out = tmp_path_factory.mktemp("bench")
-    done = make("bench", "ARGS=" + " ".join([*TINY, "--output-dir", str(out)]), cwd=out)
+    done = make("bench", "ARGS=" + " ".join(map(str, [*TINY, "--output-dir", out])), cwd=out)
     return out, json.loads((out / "benchmark.json").read_text()), done.stdout
 
 
@@ -58,29 +63,30 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
     assert {"cpu", "cpu_cores", "gpus", "versions", "load_average"} <= set(result["machine"])
     assert 0 <= result["other_work_cpu_share"] <= 1 and result["noise"].startswith("other processes used")
     assert result["machine"]["gpus"] == [] and result["machine"]["versions"]["torch"] == torch.__version__
-    assert "for 2 + N optimizer steps (N = 10" in result["protocol"] and result["steps"] == 10
+    assert f"for 2 + N optimizer steps (N = {STEPS};" in result["protocol"] and result["steps"] == STEPS
     single, ddp2 = result["rows"]
     assert (single["name"], ddp2["name"]) == ("single", "ddp2")
-    assert single["command"].startswith(f"{sys.executable} scripts/train_single.py --model resnet20 --batch-size 16")
+    assert single["command"].startswith(f"{sys.executable} scripts/train_single.py --model resnet20 "
+                                        f"--batch-size {BATCH} ")
     assert "accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2 scripts/train_ddp.py" \
         in ddp2["command"]
-    assert ddp2["global_batch"] == 16 and ddp2["devices"] == 1  # the CPU is one device, whatever the processes
+    assert ddp2["global_batch"] == BATCH and ddp2["devices"] == 1  # the CPU is one device, whatever the processes
     # Peak memory is per training process: the DDP row really ran two (ranks 0 and 1).
     assert len(single["peak_memory_gb"]) == 1 and len(ddp2["peak_memory_gb"]) == 2
     assert all(0.1 < gb < 20 for gb in single["peak_memory_gb"] + ddp2["peak_memory_gb"])
     for row in result["rows"]:
         assert "error" not in row, row.get("error")
-        # Launched twice (--repeats 2) for 2 warm-up + 10 measured steps, each step timed inside the
+        # Launched twice (--repeats 2) for 2 warm-up + STEPS measured steps, each step timed inside the
         # script's own training loop; img/s = global batch / the median measured step.
-        assert [r["steps"] for r in row["runs"]] == [12, 12]
+        assert [r["steps"] for r in row["runs"]] == [2 + STEPS, 2 + STEPS]
         for run in row["runs"]:
             # The 2 warm-up steps are the ones left out: intervals from the end of step 2 on.
             ends = run["step_end"]
-            assert len(ends) == 12 and run["step_seconds"] == [b - a for a, b in zip(ends[1:], ends[2:])]
+            assert len(ends) == 2 + STEPS and run["step_seconds"] == [b - a for a, b in zip(ends[1:], ends[2:])]
             assert sum(run["step_seconds"]) < run["epoch_time_s"] < run["wall_s"]
             # Each step's data wait, from the script's own DataWait: together what the script logged; the
             # figure after the warm-up is the measured steps' waits over their time.
-            assert len(run["data_wait"]) == 12
+            assert len(run["data_wait"]) == 2 + STEPS
             assert sum(run["data_wait"]) == pytest.approx(run["data_wait_frac"] * run["epoch_time_s"])
             assert run["data_wait_steady_frac"] == pytest.approx(sum(run["data_wait"][2:]) / sum(run["step_seconds"]))
             assert run["loader"] == "device" and run["loader_workers"] == 0
@@ -91,7 +97,7 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
         assert 0 <= row["data_wait_frac"] < 1 and 0 <= row["other_work"] <= 1
     assert single["speedup"] == 1 and ddp2["efficiency"] == pytest.approx(ddp2["img_per_s"] / single["img_per_s"])
     # The sweep at the rows' batch size reuses the single row instead of launching it again.
-    assert [r["per_device_batch"] for r in result["sweep"]] == [16] and result["sweep"][0]["runs"] == single["runs"]
+    assert [r["per_device_batch"] for r in result["sweep"]] == [BATCH] and result["sweep"][0]["runs"] == single["runs"]
 
 
 def test_checks_state_each_ratio_against_its_target(report):
@@ -111,12 +117,12 @@ def test_checks_state_each_ratio_against_its_target(report):
     plain = result["plain_loop_img_per_s"]["fp32_channels_last"]
     assert len(plain) == len(single["runs"]) + 1
     assert overhead["train_single_step_seconds"] == [s for run in single["runs"] for s in run["step_seconds"]]
-    assert [len(run["step_seconds"]) for run in single["runs"]] == [10, 10]
-    assert len(overhead["plain_step_seconds"]) == 10 * len(plain)
+    assert [len(run["step_seconds"]) for run in single["runs"]] == [STEPS, STEPS]
+    assert len(overhead["plain_step_seconds"]) == STEPS * len(plain)
     # Each launch against the mean of the plain-loop rounds just before and after it.
-    rounds = [16 / statistics.median(overhead["plain_step_seconds"][10 * k:10 * k + 10]) for k in range(3)]
+    rounds = [BATCH / statistics.median(overhead["plain_step_seconds"][STEPS * k:STEPS * (k + 1)]) for k in range(3)]
     assert plain == pytest.approx(rounds)
-    launches = [16 / statistics.median(run["step_seconds"]) for run in single["runs"]]
+    launches = [BATCH / statistics.median(run["step_seconds"]) for run in single["runs"]]
     ratios = [launches[0] / ((plain[0] + plain[1]) / 2), launches[1] / ((plain[1] + plain[2]) / 2)]
     assert overhead["value"] == pytest.approx(statistics.median(ratios))
     assert overhead["launch_ratios"] == pytest.approx(ratios)  # the spread, reported beside the median
@@ -142,8 +148,8 @@ def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(re
     out, result, _ = report
     inputs = result["inputs"]
     # The scripts' worker count on both sides, the rows' batch, the JPEGs --loader-files asked for.
-    assert inputs["workers"] == max(1, min(16, len(os.sched_getaffinity(0)) - 1)) and inputs["batch"] == 16
-    assert inputs["folder"]["train_files"] == 64 and 20 < inputs["folder"]["mean_kb"] < 200
+    assert inputs["workers"] == max(1, min(16, len(os.sched_getaffinity(0)) - 1)) and inputs["batch"] == BATCH
+    assert inputs["folder"]["train_files"] == FILES and 20 < inputs["folder"]["mean_kb"] < 200
     ours, theirs = inputs["rates"]["ours"], inputs["rates"]["torchvision"]
     assert len(ours) == len(theirs) == 5 and min(ours + theirs) > 0  # 5 rounds, one epoch each
     ratio = statistics.median(o / t for o, t in zip(ours, theirs))  # round by round
@@ -151,7 +157,7 @@ def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(re
     assert inputs["ratio"] == loader["value"] == pytest.approx(ratio)
     assert loader["passed"] == (ratio >= 1.5) and loader["target"] == ">= 1.5x"
     assert loader["measured"].startswith(f"{ratio:.2f}x ({statistics.median(ours):,.0f} vs "
-                                         f"{statistics.median(theirs):,.0f} img/s, 224 px crops, batch 16)")
+                                         f"{statistics.median(theirs):,.0f} img/s, 224 px crops, batch {BATCH})")
     markdown = (out / "benchmark.md").read_text()
     assert "## Input paths" in markdown and f"Ratio, workers path / torchvision: {ratio:.2f}x" in markdown
     assert "| workers path: worker_loader (decode_image, transforms.v2) + normalise on the device | " in markdown
@@ -162,8 +168,8 @@ def test_report_files_are_well_formed(report):
     markdown = (out / "benchmark.md").read_text()
     assert "| strategy | processes | global batch | img/s | 50,000-image epoch | speed-up | scaling efficiency |" \
            in markdown
-    assert "| `single`: train_single, fp32 | 1 | 16 |" in markdown
-    assert "| `ddp2`: train_ddp, 2 processes on gloo, fp32 | 2 | 16 |" in markdown
+    assert f"| `single`: train_single, fp32 | 1 | {BATCH} |" in markdown
+    assert f"| `ddp2`: train_ddp, 2 processes on gloo, fp32 | 2 | {BATCH} |" in markdown
     assert "Protocol: each row launches its script 2 times, as users launch it" in markdown
     assert "## Batch size sweep (`single`)" in markdown and "## Checks" in markdown
     assert markdown.count("PASS") + markdown.count("BELOW") == sum(c["passed"] is not None for c in result["checks"])
