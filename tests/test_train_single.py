@@ -6,7 +6,7 @@ import shutil
 
 import torch
 from accelerate.utils import set_seed
-from helpers import DATA, TINY, run, wandb_runs, weights
+from helpers import DATA, ROOT, TINY, run, wandb_runs, weights
 from safetensors.torch import load_file
 from wandb_records import offline_run
 
@@ -213,13 +213,20 @@ def test_compile_traces_the_model_and_trains_the_same_weights(tmp_path):
     # --compile goes through Accelerate's dynamo_backend. aot_eager traces forward and backward as
     # inductor does, without inductor's minute of C++ compiling (scripts/benchmark.py measures that).
     # lr 0.1 from the first step: in 6 steps every tensor moves by 1e-3 or more, so 1% of that is far above
-    # float32's rounding and far below what a wrong gradient in any one layer changes.
-    flags = [*DATA, "--synthetic-test-size", 50, "--model", "resnet20", "--batch-size", 64,
-             "--reference-batch-size", 64, "--epochs", 1, "--warmup-epochs", 0, "--report-to", "none"]
+    # float32's rounding and far below what a wrong gradient in any one layer changes. Batch 16: a step costs
+    # a quarter of one of 64, and the tensors move further (5.8e-3 at least, against 1.9e-3 at batch 64). 48
+    # test images, 3 evaluation batches of 16: a last, smaller batch would be one more graph to trace.
+    flags = [*DATA, "--synthetic-test-size", 48, "--model", "resnet20", "--batch-size", 16,
+             "--reference-batch-size", 16, "--epochs", 1, "--warmup-epochs", 0, "--report-to", "none"]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     run("train_single.py", *flags, "--max-steps", 8, "--checkpoint-every", 6, "--output-dir", eager)
-    done = run("train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager", "--output-dir", compiled,
-               env_extra={"TORCH_LOGS": "graph_code"})
+    # TORCH_LOGS=graph_code in the run's environment would start it cold, without the zygote (tests/helpers.py):
+    # the run switches the same logs on itself, through torch._logging.set_logs.
+    traced = tmp_path / "traced.py"
+    traced.write_text("import runpy, sys, torch._logging\ntorch._logging.set_logs(graph_code=True)\n"
+                      "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    done = run(traced, ROOT / "scripts" / "train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager",
+               "--output-dir", compiled)
     assert "TRACED GRAPH" in done.stderr  # dynamo really traced the model
     assert json.loads((compiled / "config.json").read_text())["args"]["compile"] == "aot_eager"
     # Tensor by tensor, the eager run's weights of step 6 within 1% of how far it moved each from the
