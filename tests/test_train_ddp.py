@@ -244,9 +244,10 @@ def test_accumulation_in_ddp_agrees_and_all_reduces_once_per_step(one_process, t
 
 CONV_PROBE = str(ROOT / "tests" / "probe_conv_dtypes.py")
 # The normal run and its bf16 twin: 128 training images at batch 16, 8 steps an epoch, stopped at step 12 inside
-# the second. On a CPU without native bf16 (AVX2) a bf16 training step takes about 6x a float32 one, so the
-# bf16 run's time is its images: a quarter of 512 at batch 64 (the same 12 steps) halved the test. 12 steps
-# still move BatchNorm's running statistics far enough that the weights predict several classes.
+# the second. On a CPU without native bf16 (AVX2 only) a bf16 step takes about 6x a float32 one, so the bf16
+# run's time is the images it trains on: a quarter of 512 at batch 64 (the same 12 steps) took the AMP test
+# from about 70 s to 45 s on 2 busy cores. 12 steps still move BatchNorm's running statistics far enough that
+# the weights predict several classes (3; 8 images or more right in each of two).
 BRIEF_DATA = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-test-size", "301"]
 BRIEF = [*BRIEF_DATA, "--model", "resnet20", "--batch-size", "16", "--epochs", "2", "--max-steps", "12"]
 
