@@ -287,7 +287,8 @@ def _give_up(accelerator, why: str | None, trackers: list | None = None) -> None
             tracker.finish()
         except Exception:  # noqa: BLE001, S110 - already failing; nothing more to report
             pass
-    accelerator.trackers = [t for t in accelerator.trackers if trackers is not None and t not in trackers]
+    kept = [] if trackers is None else [t for t in accelerator.trackers if t not in trackers]
+    accelerator.trackers = kept
 
 
 # Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
