@@ -133,15 +133,15 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
                     new.store_init_configuration(flat_config(config))
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
             failed.append(f"{_name(tracker)} did not start ({first_line(error)})")
-            _give_up(accelerator, None, accelerator.trackers[len(started):])
+            _drop(accelerator, accelerator.trackers[len(started):])
     accelerator.log_with = requested
     for why in failed:
         accelerator.print(f"warning: {why}; training goes on without "
                           f"{'it' if accelerator.trackers else 'tracking'}")
-    names = [tracker.name for tracker in accelerator.trackers]  # the main process's
-    if "mlflow" in names:  # MLflow chose it: kept for --resume
+    running = [tracker.name for tracker in accelerator.trackers]  # the main process's
+    if "mlflow" in running:  # MLflow chose it: kept for --resume
         progress.mlflow_run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
-    _say_where(accelerator, names, output_dir, project, offline and "wandb" in names)
+    _say_where(accelerator, running, output_dir, project, offline and "wandb" in running)
 
 
 def start_run(accelerator, script: str, args, config: dict, output_dir: Path, progress,
@@ -278,17 +278,19 @@ class StepLogger:
         self.last_step, self.last_time = step, now
 
 
-def _give_up(accelerator, why: str | None, trackers: list | None = None) -> None:
-    """``trackers`` (all) finished as well as they can and logged to no more; ``why`` said."""
-    if why:
-        accelerator.print(f"warning: {why}; training goes on without tracking")
-    for tracker in accelerator.trackers if trackers is None else trackers:
+def _give_up(accelerator, why: str) -> None:
+    accelerator.print(f"warning: {why}; training goes on without tracking")
+    _drop(accelerator, accelerator.trackers)
+
+
+def _drop(accelerator, trackers: list) -> None:
+    """``trackers`` finished as well as they can, and logged to no more."""
+    for tracker in trackers:
         try:
             tracker.finish()
         except Exception:  # noqa: BLE001, S110 - already failing; nothing more to report
             pass
-    kept = [] if trackers is None else [t for t in accelerator.trackers if t not in trackers]
-    accelerator.trackers = kept
+    accelerator.trackers = [t for t in accelerator.trackers if t not in trackers]
 
 
 # Fields only some scripts record (mixed precision, GPU memory), printed after the common ones.
