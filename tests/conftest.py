@@ -28,15 +28,12 @@ LAUNCHING_TESTS = {
                  "test_fine_tunes_a_timm_model_at_224_px_through_the_workers"},
     "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
     "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
-    "test_ema": {"test_a_two_process_resume_is_bit_for_bit"},
     "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
                                 "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
-    "test_faults_data": {"test_dist_timeout_works_at_both_ends", "test_a_refusal_on_two_processes_is_one_line"},
     "test_faults_signals": {"test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line"},
     "test_fine_tune": {"test_a_frozen_backbone_and_its_batchnorm_statistics_do_not_move_under_ddp",
                        "test_inputs_are_normalised_as_the_weights_expect_and_evaluate_needs_nothing_more",
                        "test_a_run_s_interpolation_is_carried_forward_by_pretrained_path"},
-    "test_workers": {"test_two_process_ddp_through_workers_matches_one_process"},
 }
 
 

@@ -80,8 +80,10 @@ class Zygote:
         names = {k for k in {*env, *other} if k.startswith(cls.IMPORT_TIME)}
         return all(env.get(k) == other.get(k) for k in names)
 
-    def __init__(self):
-        self.env = user_env()
+    def __init__(self, env: dict):
+        """A zygote importing with ``env``'s import-time variables (the rest is the user's)."""
+        self.env = {**{k: v for k, v in user_env().items() if not k.startswith(self.IMPORT_TIME)},
+                    **{k: v for k, v in env.items() if k.startswith(self.IMPORT_TIME)}}
         self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=self.env, cwd=ROOT)
         self.pending = b""
@@ -95,7 +97,7 @@ class Zygote:
             if zygote is not None:
                 cls.idle.remove(zygote)
         if zygote is None or zygote.process.poll() is not None:
-            zygote = cls()
+            zygote = cls(env)
         return zygote
 
     def give_back(self) -> None:
@@ -163,17 +165,19 @@ class Zygote:
 class Forked:
     """``python script.py ...`` forked from a zygote and returned at once, for a test that signals the
     run by its pid while it trains: what the tests use of a Popen (pid, poll, wait, send_signal,
-    kill, communicate), the output read back from files once the run has ended. Not for a test that
-    reads what the interpreter's shutdown or the run's orphaned children print (a forked run ends
-    with os._exit after its atexit functions), nor for a signal to a process group. The
-    environment's import-time variables must be the zygote's (Zygote.can_run)."""
+    kill, communicate), the output read back from files once the run has ended (``out`` and ``err``,
+    or files of its own). Not for a test that reads what the interpreter's shutdown or the run's
+    orphaned children print (a forked run ends with os._exit after its atexit functions), nor for a
+    signal to a process group. A zygote is kept for each set of import-time variables: ``env`` has
+    the user's unless a test starts many runs with the same others (Processes)."""
 
-    def __init__(self, command, cwd, env: dict):
+    def __init__(self, command, cwd, env: dict, out: Path | None = None, err: Path | None = None):
         self.args = [str(part) for part in command]
-        assert self.args[0] == sys.executable and Zygote.can_run(env), self.args
+        assert self.args[0] == sys.executable and self.args[1].endswith(".py"), self.args
         self.returncode = None
         self._folder = tempfile.TemporaryDirectory()
-        self._out, self._err = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
+        self._out = out or Path(self._folder.name) / "stdout"
+        self._err = err or Path(self._folder.name) / "stderr"
         self._zygote = Zygote.take(env)
         try:
             self.pid = self._zygote.start(self.args, cwd, env, self._out, self._err)
@@ -300,8 +304,11 @@ def free_port() -> int:
 
 class Processes:
     """``python scripts/<script>`` (or ``script``, a path) started ``count`` times as torchrun starts its
-    workers (RANK, WORLD_SIZE, MASTER_ADDR ...; gloo on the CPU), without a launcher: nothing stops the
-    others when one ends, and each one's exit status and output are its own."""
+    workers (RANK, WORLD_SIZE, MASTER_ADDR ...; gloo on the CPU, one thread each), without a launcher:
+    nothing stops the others when one ends, and each one's exit status and output are its own. Each
+    is forked from a zygote of its own (Forked): a job costs no imports, where a launcher and its
+    processes cost about 20 s of CPU before the first step. How the launchers start the processes
+    is tested with the launchers (test_train_ddp.py, test_fault_tolerance.py ...)."""
 
     def __init__(self, script, *args, count=2, cwd: Path, env_extra=None):
         self.logs, self.procs, port = Path(cwd), [], free_port()
@@ -310,9 +317,8 @@ class Processes:
             env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), OMP_NUM_THREADS="1", RANK=str(rank),
                            LOCAL_RANK=str(rank), WORLD_SIZE=str(count), LOCAL_WORLD_SIZE=str(count),
                            GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
-            with open(self.logs / f"rank{rank}.out", "w") as out, open(self.logs / f"rank{rank}.err", "w") as err:
-                self.procs.append(subprocess.Popen([sys.executable, str(path), *map(str, args)], cwd=cwd,
-                                                   env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+            self.procs.append(Forked([sys.executable, str(path), *map(str, args)], cwd, env,
+                                     out=self.logs / f"rank{rank}.out", err=self.logs / f"rank{rank}.err"))
         self.ended: dict[int, tuple[int, float]] = {}  # rank: (exit status, time.monotonic() then)
 
     def wait(self, timeout=240) -> list[int]:
@@ -344,6 +350,14 @@ class Processes:
     def output(self) -> str:
         return "\n".join(f"--- rank {r} ({self.ended.get(r, ('running',))[0]}):\n{self.stdout(r)}{self.stderr(r)}"
                          for r in range(len(self.procs)))
+
+
+def two_processes(script, *args, cwd: Path, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+    """A 2-process job (Processes) run to its end, both processes ending with 0: the main process's
+    stdout, both processes' stderr."""
+    job = Processes(script, *args, cwd=cwd, env_extra=env_extra)
+    assert job.wait(timeout) == [0, 0], job.output()
+    return subprocess.CompletedProcess(job.procs[0].args, 0, job.stdout(0), job.stderr(0) + job.stderr(1))
 
 
 def worker_lines(stderr: str) -> str:

@@ -3,7 +3,6 @@ does; what the CUDA graphs need of the loop holds: a schedule recompiles nothing
 smaller batch is one more graph. The refusals (other backends, --grad-accum) are in test_bad_input.py;
 the mode on a GPU, with CUDA graphs, in test_gpu.py."""
 
-import copy
 
 import pytest
 import torch

@@ -8,13 +8,11 @@ warm-up's decay min(DECAY, 1 - (1 + t) ** -0.75) (timm's ModelEmaV3 with gamma 1
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import ROOT, run, weights
+from helpers import ROOT, run, two_processes, weights
 from safetensors import safe_open
 
 from common.models import build_model
@@ -23,8 +21,6 @@ DECAY = 0.5
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--synthetic-test-size", "32"]
 FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "16", "--reference-batch-size", "16", "--epochs", "2",
          "--report-to", "none", "--ema-decay", DECAY]
-ACCELERATE = (str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2")
 
 
 def floats(state: dict) -> dict:
@@ -79,11 +75,11 @@ def test_a_two_process_resume_is_bit_for_bit(tmp_path):
     reads each process's copy at the end), so the run resumed from a checkpoint ends, on every
     process, with the average of the uninterrupted one."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    probe = (*ACCELERATE, str(ROOT / "tests" / "probe_ema.py"))
-    run("train_ddp.py", *FLAGS, "--checkpoint-every", 2, "--keep-checkpoints", 10, "--output-dir", whole,
-        launcher=probe, cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(whole / "probe")})
-    run("train_ddp.py", *FLAGS, "--resume", whole / "checkpoints" / "step_00000002", "--output-dir", resumed,
-        launcher=probe, cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(resumed / "probe")})
+    probe, script = ROOT / "tests" / "probe_ema.py", ROOT / "scripts" / "train_ddp.py"
+    two_processes(probe, script, *FLAGS, "--checkpoint-every", 2, "--keep-checkpoints", 10, "--output-dir", whole,
+                  cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(whole / "probe")})
+    two_processes(probe, script, *FLAGS, "--resume", whole / "checkpoints" / "step_00000002", "--output-dir",
+                  resumed, cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(resumed / "probe")})
     a, b = weights(whole), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     copies = {(out.name, rank): torch.load(out / "probe" / f"rank{rank}.pt") for out in (whole, resumed)

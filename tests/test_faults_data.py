@@ -32,13 +32,10 @@ import datasets
 import numpy as np
 import PIL.Image
 import pytest
-from helpers import ROOT, bad_ends, execute, run, user_env
+from helpers import ROOT, Processes, execute, run, user_env
 
 from common.data.sources import open_source
 
-BIN = Path(sys.executable).parent
-ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2")
 STEP = ["--model", "resnet20", "--epochs", "1", "--batch-size", "4", "--max-steps", "1",
         "--report-to", "none"]
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-train-size", "32",
@@ -222,12 +219,11 @@ def test_dist_timeout_works_at_both_ends(timeout, tmp_path):
     # wandb (offline: no API key) and a checkpoint every step: what the main process does alone
     # while the other waits in its next collective. 1 s failed here, at wandb's start.
     out = tmp_path / "run"
-    done = run("train_ddp.py", *SYNTHETIC, "--model", "resnet20", "--batch-size", "8",
-               "--epochs", "1", "--max-steps", "2", "--checkpoint-every", "1",
-               "--dist-timeout", timeout, "--output-dir", out, launcher=ACCELERATE, cwd=tmp_path,
-               check=False, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "done: step 2" in done.stdout
+    job = Processes("train_ddp.py", *SYNTHETIC, "--model", "resnet20", "--batch-size", "8", "--epochs", "1",
+                    "--max-steps", "2", "--checkpoint-every", "1", "--dist-timeout", timeout, "--output-dir", out,
+                    cwd=tmp_path)
+    assert job.wait(timeout=300) == [0, 0], job.output()
+    assert "done: step 2" in job.stdout(0)
     assert (out / "model.safetensors").is_file()
 
 
@@ -292,12 +288,11 @@ def test_a_refusal_on_two_processes_is_one_line(case, one_class_runs, tmp_path):
     flags = {"one class": ["--data-dir", one_class_runs[1]["one"], *STEP],
              "model size": [*SYNTHETIC, *STEP, "--model", "torchvision:vit_b_16"]}[case]
     out = tmp_path / "run"
-    done = run("train_ddp.py", *flags, "--output-dir", out, launcher=ACCELERATE, cwd=tmp_path,
-               check=False, timeout=300)
-    assert done.returncode == 1 and bad_ends(done.stderr) == [], done.stdout + done.stderr
-    assert set(re.findall(r"exitcode\s*: (-?\d+)", done.stderr)) <= {"1"}, done.stderr  # every process: 1
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("error: "), done.stderr
+    job = Processes("train_ddp.py", *flags, "--output-dir", out, cwd=tmp_path)
+    assert job.wait(timeout=300) == [1, 1], job.output()
+    assert job.stderr(1) == "" and not any(sign in job.output() for sign in ("Traceback", "terminate called"))
+    errors = job.stderr(0).splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: "), job.output()
     assert {"one class": "has one class folder, train/cat/", "model size": "takes 224x224 images only"}[case] \
         in errors[0]
     assert not out.exists()

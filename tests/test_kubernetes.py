@@ -16,7 +16,6 @@ Not run here: the image build (no base image can be pulled) and a real cluster.
 
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess

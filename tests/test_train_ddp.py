@@ -1,4 +1,5 @@
-"""train_ddp.py and train_amp.py as real 2-process DDP on the CPU (gloo), launched the way users do."""
+"""train_ddp.py and train_amp.py as real 2-process DDP on the CPU (gloo): the agreement runs launched the way
+users do (accelerate launch, torchrun, two nodes), the others started as torchrun starts its processes."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import set_seed
-from helpers import ROOT, execute, run, user_env, weights
+from helpers import ROOT, execute, run, two_processes, user_env, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
@@ -35,11 +36,6 @@ AGREE = [*SMALL, "--no-augment", "--lr", "0.001", "--reference-batch-size", "64"
 # (one wandb run per job), the accumulation's collectives and the AMP run keep it.
 UNTRACKED = ["--report-to", "none"]
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
-
-
-def launch(launcher, script, *args, **kwargs):
-    """Run ``script`` under a multi-process launcher (or plain python with launcher=())."""
-    return run(script, *args, launcher=launcher or (sys.executable,), **kwargs)
 
 
 def _run_frozen(launcher, script, out, *extra, env_extra=None):
@@ -222,8 +218,8 @@ def test_accumulation_resumes_bit_for_bit(accumulated, tmp_path):
 def test_accumulation_in_ddp_agrees_and_all_reduces_once_per_step(one_process, tmp_path):
     out = tmp_path / "run"
     counts = tmp_path / "events"
-    done = _run_frozen((*ACCELERATE, COUNT_TOOL), "train_ddp.py", out, "--grad-accum", "2",
-                       env_extra={"COUNT_FILE": str(counts)})
+    done = two_processes(COUNT_TOOL, FROZEN_BN, ROOT / "scripts" / "train_ddp.py", *AGREE, "--grad-accum", "2",
+                        "--output-dir", out, cwd=tmp_path, env_extra={"COUNT_FILE": str(counts)})
     assert "on 2 x cpu" in done.stdout and "batch 64 (16 per device x 2 micro-batches)" in done.stdout
     gap = max_difference(weights(out), one_process)
     print(f"--grad-accum 2 on 2 processes vs 1 process: largest weight difference {gap:.2g}")
@@ -257,8 +253,8 @@ def ddp_run(tmp_path_factory):
     """A normal 2-process run (BatchNorm, augmentation), stopped inside its second epoch, its convolutions
     recorded by tests/probe_conv_dtypes.py."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    done = launch((*ACCELERATE, CONV_PROBE), "train_ddp.py", *BRIEF, "--output-dir", out,
-                  env_extra={"PROBE_FILE": str(out.parent / "convolutions")})
+    done = two_processes(CONV_PROBE, ROOT / "scripts" / "train_ddp.py", *BRIEF, "--output-dir", out, cwd=out.parent,
+                        env_extra={"PROBE_FILE": str(out.parent / "convolutions")})
     return out, done
 
 
@@ -309,8 +305,8 @@ def test_a_ddp_checkpoint_resumes_in_train_single_with_its_weights(ddp_agreement
 def test_amp_bf16_on_cpu_really_runs_in_bf16(ddp_run, tmp_path):
     """Same flags as the DDP run, the same memory layout: the difference in the weights is the precision, and
     the convolutions computed in bf16 (those of the DDP run in float32)."""
-    done = launch((*ACCELERATE, CONV_PROBE), "train_amp.py", *BRIEF, "--mixed-precision", "bf16", cwd=tmp_path,
-                  env_extra={"PROBE_FILE": str(tmp_path / "convolutions")})
+    done = two_processes(CONV_PROBE, ROOT / "scripts" / "train_amp.py", *BRIEF, "--mixed-precision", "bf16",
+                        cwd=tmp_path, env_extra={"PROBE_FILE": str(tmp_path / "convolutions")})
     (out,) = (tmp_path / "runs").iterdir()  # the default output dir: one folder for both processes
     assert out.name.startswith("train_amp-") and "train_amp: bf16" in done.stdout
     config, reference = (json.loads((run / "config.json").read_text()) for run in (out, ddp_run[0]))

@@ -8,14 +8,13 @@ the same flags, both with a weight average (--ema-decay), serve every test.
 """
 
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, run, weights
+from helpers import ROOT, run, two_processes, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from safetensors import safe_open
@@ -40,9 +39,11 @@ FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "32", "--reference-batch-
          "--report-to", "none", "--ema-decay", DECAY]
 
 
-def launch(script, out, *extra, probe=True, resume=False):
-    return run(script, *FLAGS, "--output-dir", out, *(["--resume"] if resume else []), *extra, cwd=out.parent,
-               launcher=(*ACCELERATE, *([PROBE] if probe else [])), env_extra={"PROBE_FILE": f"{out}.probe"})
+def launch(script, out, *extra, resume=False):
+    """``script`` on 2 processes (as torchrun starts them), FSDP forced by tests/probe_fsdp.py."""
+    return two_processes(PROBE, ROOT / "scripts" / script, *FLAGS, "--output-dir", out,
+                         *(["--resume"] if resume else []), *extra, cwd=out.parent,
+                         env_extra={"PROBE_FILE": f"{out}.probe"})
 
 
 def probed(out: Path) -> list[dict]:
@@ -51,8 +52,7 @@ def probed(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"fsdp": (folder, output), "ddp": (folder, output)}: the same flags, one after the other (two
-    launches at once would both take Accelerate's default port)."""
+    """{"fsdp": (folder, output), "ddp": (folder, output)}: the same flags."""
     folders = {name: tmp_path_factory.mktemp(name) / "run" for name in ("fsdp", "ddp")}
     return {name: (folders[name], launch(f"train_{name}.py", folders[name])) for name in folders}
 

@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import ROOT, image_folder, run, user_env, weights
+from helpers import ROOT, image_folder, run, two_processes, user_env, weights
 from probe_counts import learnt, metadata, per_class, predictions, printed_per_class
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -39,9 +39,6 @@ from torchvision.transforms import v2
 
 from common.models import build_model
 
-BIN = Path(sys.executable).parent
-ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
-              "--num_processes", "2")
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 WORKERS = ["--loader", "workers", "--report-to", "none"]
 HELD_OUT = str(ROOT / "tests" / "probe_heldout.py")  # records the images a model was evaluated on
@@ -75,8 +72,8 @@ def test_two_process_ddp_through_workers_matches_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run("train_single.py", *AGREE, "--workers", 1, "--output-dir", one, cwd=tmp_path,
         launcher=(sys.executable, FROZEN_BN))
-    done = run("train_ddp.py", *AGREE, "--workers", 2, "--output-dir", two, cwd=tmp_path,
-               launcher=(*ACCELERATE, FROZEN_BN))
+    done = two_processes(FROZEN_BN, ROOT / "scripts" / "train_ddp.py", *AGREE, "--workers", 2, "--output-dir", two,
+                         cwd=tmp_path)
     assert "on 2 x cpu" in done.stdout and "batch 64 (32 per device)" in done.stdout
     assert "loader workers, 2 workers per process" in done.stdout
     config = json.loads((two / "config.json").read_text())
