@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import Forked, ROOT, bad_ends, execute, user_env, weights
+from helpers import Forked, Processes, ROOT, bad_ends, execute, two_processes, user_env, weights
 
 BIN = Path(sys.executable).parent
 # 8 steps an epoch, 24 in all; a checkpoint every 4 steps, so step 12 is the middle of epoch 2. A
@@ -102,8 +102,10 @@ def assert_same(a: Path, b: Path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The reference the launched runs must meet bit for bit: 2 processes started as torchrun starts
+    them, forked warm (tests/helpers.py's Processes)."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    run(accelerate(), tmp_path_factory.getbasetemp(), "--output-dir", out)
+    two_processes("train_ddp.py", *FLAGS, "--output-dir", out, cwd=out.parent)
     return out
 
 
@@ -227,9 +229,10 @@ def ddp_interrupted(tmp_path_factory):
     out = tmp_path / "run"
     stop = sigterm_after_step_4(subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
                                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
-    resumed = subprocess.run([*accelerate(), "--output-dir", str(out), "--resume", "--max-steps", "13"], cwd=ROOT,
-                             env=env(tmp_path), capture_output=True, text=True, timeout=300)
-    done = run(accelerate(), tmp_path, "--output-dir", out, "--resume")
+    # The resumes, by hand: 2 processes started as torchrun starts them, forked warm
+    resumed = two_processes("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", "--max-steps", "13",
+                            cwd=tmp_path)
+    done = two_processes("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
     return {"out": out, "stop": stop, "resumed": resumed, "finished": done}
 
 
@@ -307,9 +310,8 @@ def test_a_train_single_checkpoint_resumes_under_ddp_as_its_continuation(tmp_pat
                      *FLAGS, *agree, "--output-dir", str(single)]
     done = execute(frozen_single, cwd=ROOT, env=user_env(CIFAR_CACHE_DIR=str(tmp_path / ".cache")), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    ddp = accelerate()
-    ddp.insert(ddp.index(str(ROOT / "scripts" / "train_ddp.py")), str(ROOT / "tests" / "frozen_bn.py"))
-    done = run(ddp, tmp_path, *agree, "--resume", single / "checkpoints" / "step_00000004", "--output-dir", resumed)
+    done = two_processes(ROOT / "tests" / "frozen_bn.py", ROOT / "scripts" / "train_ddp.py", *FLAGS, *agree,
+                         "--resume", single / "checkpoints" / "step_00000004", "--output-dir", resumed, cwd=tmp_path)
     assert f"resumed from {single / 'checkpoints' / 'step_00000004'}" in done.stdout and "on 2 x cpu" in done.stdout
     ours, theirs = weights(resumed), weights(single)
     assert ours.keys() == theirs.keys()
@@ -336,13 +338,12 @@ def test_sigusr1_to_one_worker_stops_both_after_the_same_step(tmp_path):
 
 def test_a_nan_loss_stops_every_process_at_the_same_step(tmp_path):
     out = tmp_path / "run"
-    cmd = [*accelerate(), "--lr", "1e6", "--checkpoint-every", "2", "--output-dir", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and bad_ends(done.stderr) == [], done.stderr[-3000:]
-    assert set(re.findall(r"exitcode\s*: (-?\d+)", done.stderr)) <= {"1"}, done.stderr[-3000:]
+    job = Processes("train_ddp.py", *FLAGS, "--lr", "1e6", "--checkpoint-every", "2", "--output-dir", out,
+                    cwd=tmp_path)
+    assert job.wait(timeout=300) == [1, 1] and bad_ends(job.output()) == [], job.output()
     # One line for the job, from the main process (it may follow a progress bar on its line).
-    lines = re.findall(r"error: the loss is .*? with a lower --lr.*", done.stderr)
-    assert len(lines) == 1, done.stderr
+    lines = re.findall(r"error: the loss is .*? with a lower --lr.*", job.stderr(0))
+    assert len(lines) == 1 and "error:" not in job.stderr(1), job.output()
     step = int(lines[0].split(" at step ")[1].split(":")[0])
     newest = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
     named = re.findall(r"checkpoints/step_(\d+)", lines[0])  # none: start again
