@@ -154,14 +154,16 @@ def test_a_full_disk_under_fsdp2_with_a_weight_average_ends_both_processes(tmp_p
 
 def test_tracker_servers_that_do_not_answer_cost_their_bounds_and_one_warning_each(tmp_path):
     """wandb online and MLflow, their server accepting connections and never answering, wandb's
-    start bounded at 12 s (WANDB_INIT_TIMEOUT) and MLflow's at about 23 s, each above --dist-timeout's
-    10: the other process waits for the main one in the store, not in a collective that the timeout
-    would end; the run finishes, one warning said for each."""
+    start bounded at 12 s (WANDB_INIT_TIMEOUT) and MLflow's at about 15 s (two requests of 6 s, as
+    the user's MLFLOW_HTTP_REQUEST_TIMEOUT asks), each above --dist-timeout's 10: the other process
+    waits for the main one in the store, not in a collective that the timeout would end; the run
+    finishes, one warning said for each."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # the kernel accepts; nothing reads or answers
     url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-    env = {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": url, "WANDB_INIT_TIMEOUT": "12", "MLFLOW_TRACKING_URI": url}
+    env = {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": url, "WANDB_INIT_TIMEOUT": "12", "MLFLOW_TRACKING_URI": url,
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "6"}
     with silent:
         job = Processes("train_ddp.py", "--dataset", "synthetic", "--synthetic-train-size", "64",
                         "--synthetic-test-size", "32", "--model", "resnet20", "--batch-size", "16", "--epochs", "1",
@@ -171,7 +173,7 @@ def test_tracker_servers_that_do_not_answer_cost_their_bounds_and_one_warning_ea
     said = job.stdout(0).splitlines()
     assert "wandb: starting its run online (a server that does not answer costs 12 s, then training goes on " \
            "without it)" in said, job.output()
-    assert f"mlflow: starting its run at {url} (one that does not answer costs about 23 s, then training goes " \
+    assert f"mlflow: starting its run at {url} (one that does not answer costs about 15 s, then training goes " \
            f"on)" in said, job.output()
     warnings = [line for line in said if line.startswith("warning:")]
     assert [warning.split(" (")[0] for warning in warnings] == ["warning: wandb did not start",
