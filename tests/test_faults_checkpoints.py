@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, Forked, run, tmpfs, tree_digest, user_env, weights, worker_lines
+from helpers import ROOT, Forked, run, tmpfs, tree_digest, two_processes, user_env, weights, worker_lines
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -449,10 +449,10 @@ def launch(command, tmp_path, *args) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def ddp_base(tmp_path_factory):
-    """A finished 2-process run: checkpoints at steps 2, 4, 6, 8 and its final weights."""
+    """A finished 2-process run (started as torchrun starts its processes, forked warm): checkpoints
+    at steps 2, 4, 6, 8 and its final weights."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    process = launch(DDP, out.parent, "--output-dir", out)
-    assert process.wait(timeout=300) == 0, process.communicate()[1]
+    two_processes("train_ddp.py", *FLAGS, "--output-dir", out, cwd=out.parent)
     return out
 
 
