@@ -59,12 +59,13 @@ gpu-wheels: $(BIN)/.installed
 		--platform manylinux2014_x86_64 -d .whl $(foreach f,$(WHEELS),-r $(f))
 
 # The suite starts hundreds of Python processes: the project's modules compiled once beforehand
-# (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process). Two
-# pytest-xdist workers, a file each at a time, the tests that launch several processes one at a time
-# (tests/conftest.py): more would not shorten the run, as those take most of it.
+# (where PYTHONDONTWRITEBYTECODE is set, Python would compile them again in every process). Three
+# pytest-xdist workers, a file each at a time, the tests that launch at a launcher's default port
+# one at a time (tests/conftest.py): on 2 cores the third fills the time the others spend waiting
+# (a tracker's bound, a timeout, a job starting), 945 s against 1,039 s with two.
 test: $(BIN)/.installed
 	$(BIN)/python -m compileall -q common bench scripts > /dev/null
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 3
 
 # The lessons as diffs: each strategy script against the script it builds on (docs/diffs/).
 diffs: $(BIN)/.installed

@@ -2,8 +2,8 @@ import os
 import subprocess
 from pathlib import Path
 
-# `make test` runs the suite on 2 pytest-xdist workers: much of a test's time is a process starting,
-# importing torch or waiting for a timeout, which leaves the other core idle. An OpenMP thread that
+# `make test` runs the suite on 3 pytest-xdist workers (2 cores): much of a test's time is a process
+# starting, importing torch or waiting for a timeout, which leaves a core idle. An OpenMP thread that
 # waits for its sibling then sleeps instead of spinning: with the other worker's process on a core,
 # the spinning took a tiny run 10x longer. Set before torch is imported (helpers imports it).
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -12,12 +12,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 from helpers import TINY, run  # noqa: E402
 
-# The files, and the tests of other files, that launch several processes: they meet at accelerate
-# launch's and torchrun's default port (29500), where a second job at the same time finds it taken
-# (accelerate then moves to another port, with a warning). They run one at a time, on one worker. A
-# new test that launches several processes belongs here.
-LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_kubernetes", "test_make_restart",
-                   "test_train_ddp", "test_train_fsdp", "test_ddp_lesson"}
+# The files, and the tests of other files, that launch several processes at a launcher's default
+# port: accelerate launch's 29500, the c10d rendezvous's 29400 (a restartable job without
+# PET_STANDALONE; test_make_restart.py holds it). Two jobs at once would meet there (accelerate
+# moves to another port when it finds 29500 taken, with a warning, but two that look at the same
+# moment both take it), so these run one at a time, on one worker. A new test that launches
+# several processes belongs here, or in OWN_PORTS.
+LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_make_restart"}
 LAUNCHING_TESTS = {
     # on a GPU (skipped without one); its tests of gpu_check's plan and report run beside the others
     "test_gpu": {"test_every_script_learns_and_evaluate_reproduces_it", "test_stop_and_resume_is_bit_for_bit",
@@ -28,19 +29,39 @@ LAUNCHING_TESTS = {
                  "test_fine_tunes_a_timm_model_at_224_px_through_the_workers"},
     "test_bad_input": {"test_a_bad_launch_gets_one_line", "test_a_port_already_in_use"},
     "test_copy_set": {"test_a_copied_script_trains_a_step_in_each_layout_the_readme_names"},
-    "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
-                                "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
     "test_faults_signals": {"test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line"},
     "test_fine_tune": {"test_a_frozen_backbone_and_its_batchnorm_statistics_do_not_move_under_ddp",
                        "test_inputs_are_normalised_as_the_weights_expect_and_evaluate_needs_nothing_more",
                        "test_a_run_s_interpolation_is_carried_forward_by_pretrained_path"},
+    # the accelerate launches, and the tests of their module fixture (the runs the others share are
+    # forked: helpers.Processes, a free port each)
+    "test_train_ddp": {"test_two_process_ddp_matches_one_process", "test_two_nodes_on_loopback_match_one_process",
+                       "test_a_ddp_checkpoint_resumes_in_train_single_with_its_weights"},
+    "test_train_fsdp": {"test_without_gpus_it_refuses_in_one_line_and_writes_nothing"},
+}
+# Launches on ports of their own only (a free port, torchrun --standalone, PET_STANDALONE=1): they
+# run beside everything else. None: the whole file.
+OWN_PORTS = {
+    "test_ddp_lesson": None,  # torchrun --standalone
+    "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; the reference --standalone
+    "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
+                                "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
 }
 
 
-def launches(nodeid: str) -> bool:
+def _listed(nodeid: str, files: set, tests: dict) -> bool:
     file, _, test = nodeid.partition("::")
     stem = Path(file).stem
-    return stem in LAUNCHING_FILES or test.partition("[")[0] in LAUNCHING_TESTS.get(stem, ())
+    return stem in files or test.partition("[")[0] in (tests.get(stem) or ())
+
+
+def launches(nodeid: str) -> bool:
+    """Whether the test launches at a default port: it runs with the others that do, one at a time."""
+    return _listed(nodeid, LAUNCHING_FILES, LAUNCHING_TESTS)
+
+
+def may_launch(nodeid: str) -> bool:
+    return launches(nodeid) or _listed(nodeid, {f for f, t in OWN_PORTS.items() if t is None}, OWN_PORTS)
 
 
 def launcher_of(command) -> str | None:
@@ -66,8 +87,9 @@ def pytest_runtest_protocol(item, nextitem):
 
     def guarded(self, args, *rest, **kwargs):
         launcher = launcher_of(args)
-        if launcher and not launches(item.nodeid):
-            raise AssertionError(f"{item.nodeid} starts {launcher}: add it to LAUNCHING_TESTS in tests/conftest.py")
+        if launcher and not may_launch(item.nodeid):
+            raise AssertionError(f"{item.nodeid} starts {launcher}: add it to LAUNCHING_TESTS (or, on ports of "
+                                 f"its own only, OWN_PORTS) in tests/conftest.py")
         start(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = guarded
