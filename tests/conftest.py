@@ -5,9 +5,13 @@ from pathlib import Path
 # `make test` runs the suite on 3 pytest-xdist workers (2 cores): much of a test's time is a process
 # starting, importing torch or waiting for a timeout, which leaves a core idle. An OpenMP thread that
 # waits for its sibling then sleeps instead of spinning: with the other worker's process on a core,
-# the spinning took a tiny run 10x longer. Set before torch is imported (helpers imports it).
+# the spinning took a tiny run 10x longer. One thread a process, as torchrun gives each of its
+# processes: with 3 workers on 2 cores a second thread buys nothing, and a 3-epoch resnet20 run took
+# 10 % more CPU with it on an idle machine (25.1 s against 22.6 s). Set before torch is imported
+# (helpers imports it); every run the tests start inherits them.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from helpers import TINY, run  # noqa: E402
