@@ -47,13 +47,6 @@ def accelerate(*launch_args, script="train_ddp.py"):
             "--num_processes", "2", *launch_args, str(ROOT / "scripts" / script), *FLAGS]
 
 
-def run(cmd, tmp_path, *extra):
-    done = subprocess.run([*cmd, *map(str, extra)], cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
-
-
 def wait_for(process, checkpoint: Path, timeout=180):
     """Return as soon as ``checkpoint`` exists, while ``process`` still runs."""
     deadline = time.time() + timeout
