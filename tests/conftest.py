@@ -21,9 +21,24 @@ from helpers import TINY, run  # noqa: E402
 # PET_STANDALONE; test_make_restart.py holds it). Two jobs at once would meet there (accelerate
 # moves to another port when it finds 29500 taken, with a warning, but two that look at the same
 # moment both take it), so these run one at a time, on one worker. A new test that launches
-# several processes belongs here, or in OWN_PORTS.
-LAUNCHING_FILES = {"test_benchmark", "test_fault_tolerance", "test_make_restart"}
+# several processes belongs here, or in OWN_PORTS. The other tests of these files (forked runs, fake
+# launchers) run beside the others.
+LAUNCHING_FILES = {"test_make_restart"}
 LAUNCHING_TESTS = {
+    # make bench's rows (the module fixture `report`: an accelerate launch of train_ddp.py)
+    "test_benchmark": {"test_rows_launch_the_real_scripts_and_follow_the_protocol",
+                       "test_checks_state_each_ratio_against_its_target",
+                       "test_loader_check_compares_the_workers_path_with_torchvision_side_by_side",
+                       "test_report_files_are_well_formed"},
+    # the jobs under accelerate launch, and the tests of their module fixtures (uninterrupted,
+    # ddp_interrupted)
+    "test_fault_tolerance": {"test_a_killed_worker_is_restarted_and_resumes_bit_for_bit",
+                             "test_without_restarts_a_killed_worker_ends_the_job",
+                             "test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit",
+                             "test_ddp_stop_and_resume_by_hand",
+                             "test_sigusr1_to_one_worker_stops_both_after_the_same_step",
+                             "test_a_stalled_worker_fails_the_job_after_the_dist_timeout",
+                             "test_the_launcher_passes_sigusr1_on_only_through_pet_signals_to_handle"},
     # on a GPU (skipped without one); its tests of gpu_check's plan and report run beside the others
     "test_gpu": {"test_every_script_learns_and_evaluate_reproduces_it", "test_stop_and_resume_is_bit_for_bit",
                  "test_all_gpus_match_one_gpu", "test_sync_bn_matches_one_gpu_and_plain_ddp_does_not",
@@ -48,6 +63,8 @@ LAUNCHING_TESTS = {
 OWN_PORTS = {
     "test_ddp_lesson": None,  # torchrun --standalone
     "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; the reference --standalone
+    # accelerate launch --num_processes 1 runs the script itself: no rendezvous, no port
+    "test_fault_tolerance": {"test_killing_the_launcher_of_one_process_stops_the_training_process_with_a_checkpoint"},
     "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
                                 "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
 }

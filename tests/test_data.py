@@ -412,9 +412,12 @@ def test_processes_that_start_together_decode_once(tmp_path):
     """Several processes (as under DDP) ask at once: one builds the cache, the others read it."""
     import multiprocessing
 
+    # Forked: each process opens the cache and its lock itself, as a spawned one would, without
+    # importing torch again (5 s of CPU a process)
+    context = multiprocessing.get_context("fork")
     folder = tmp_path / "cache"
-    builds = multiprocessing.get_context("spawn").Manager().list()
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
+    builds = context.Manager().list()
+    with context.Pool(3) as pool:
         results = pool.starmap(_build_through_cache, [(str(folder), builds)] * 3)
     assert len(builds) == 1 and len(set(results)) == 1
     # one cache and its lock: no .tmp-<name> left by common.files.atomic_write

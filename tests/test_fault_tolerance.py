@@ -122,29 +122,22 @@ def single_reference(tmp_path_factory):
 
 
 def test_a_killed_worker_is_restarted_and_resumes_bit_for_bit(uninterrupted, tmp_path):
-    out = tmp_path / "run"
-    process = subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", str(out)], cwd=ROOT,
-                               env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    """A `make ddp`-style job restarts a killed worker and ends with the uninterrupted run's weights;
+    a second restartable job started at the same moment on the same machine finishes too. Without
+    PET_STANDALONE=1 both launchers meet at the c10d default, localhost:29400, and the second fails
+    with a RendezvousConnectionError (seen by hand, 1 s apart)."""
+    def start(out: Path, *extra):
+        return subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", str(out), *extra], cwd=ROOT,
+                                env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    out, beside = tmp_path / "run", tmp_path / "beside"
+    process, other = start(out), start(beside, "--max-steps", "2")
     kill_worker_after(process, out / "checkpoints" / "step_00000012", local_rank="1")
-    output = process.communicate(timeout=300)[0]
+    output, other_output = process.communicate(timeout=300)[0], other.communicate(timeout=300)[0]
     assert process.returncode == 0, output
     assert "resumed from" in output and "step_00000012" in output  # by itself: no --resume given
     assert_same(out, uninterrupted)
-
-
-def test_two_restartable_jobs_on_one_machine_keep_to_their_own_rendezvous(tmp_path):
-    """Two `make ddp`-style jobs at once on one machine both finish. Without PET_STANDALONE=1 both
-    launchers meet at the c10d default, localhost:29400, and the second fails with a
-    RendezvousConnectionError (seen by hand, 1 s apart)."""
-    jobs = {name: subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", tmp_path / name, "--max-steps", "2"],
-                                   cwd=ROOT, env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-            for name in ("first", "second")}
-    for name, job in jobs.items():
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, f"{name} job:\n{output}"
-        assert (tmp_path / name / "model.safetensors").exists()
+    assert other.returncode == 0 and (beside / "model.safetensors").exists(), f"the job beside it:\n{other_output}"
 
 
 def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):

@@ -220,12 +220,8 @@ def test_compile_traces_the_model_and_trains_the_same_weights(tmp_path):
              "--reference-batch-size", 16, "--epochs", 1, "--warmup-epochs", 0, "--report-to", "none"]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     run("train_single.py", *flags, "--max-steps", 8, "--checkpoint-every", 6, "--output-dir", eager)
-    # TORCH_LOGS=graph_code in the run's environment would start it cold, without the zygote (tests/helpers.py):
-    # the run switches the same logs on itself, through torch._logging.set_logs.
-    traced = tmp_path / "traced.py"
-    traced.write_text("import runpy, sys, torch._logging\ntorch._logging.set_logs(graph_code=True)\n"
-                      "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
-    done = run(traced, ROOT / "scripts" / "train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager",
+    # tests/traced.py: the traced graphs logged from inside the run, which the zygote then starts warm.
+    done = run(ROOT / "tests" / "traced.py", ROOT / "scripts" / "train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager",
                "--output-dir", compiled)
     assert "TRACED GRAPH" in done.stderr  # dynamo really traced the model
     assert json.loads((compiled / "config.json").read_text())["args"]["compile"] == "aot_eager"
