@@ -221,8 +221,8 @@ def test_compile_traces_the_model_and_trains_the_same_weights(tmp_path):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     run("train_single.py", *flags, "--max-steps", 8, "--checkpoint-every", 6, "--output-dir", eager)
     # tests/traced.py: the traced graphs logged from inside the run, which the zygote then starts warm.
-    done = run(ROOT / "tests" / "traced.py", ROOT / "scripts" / "train_single.py", *flags, "--max-steps", 6, "--compile", "aot_eager",
-               "--output-dir", compiled)
+    done = run(ROOT / "tests" / "traced.py", ROOT / "scripts" / "train_single.py", *flags, "--max-steps", 6,
+               "--compile", "aot_eager", "--output-dir", compiled)
     assert "TRACED GRAPH" in done.stderr  # dynamo really traced the model
     assert json.loads((compiled / "config.json").read_text())["args"]["compile"] == "aot_eager"
     # Tensor by tensor, the eager run's weights of step 6 within 1% of how far it moved each from the
