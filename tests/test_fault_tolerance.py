@@ -2,8 +2,8 @@
 and a stop signal costs nothing.
 
 The contract, on 2 CPU processes: kill one worker with SIGKILL in the middle of an epoch, let the
-launcher restart the job, and the final weights equal those of an uninterrupted run bit for bit.
-SIGTERM or SIGUSR1 (a scheduler's "stop now") to one process or to the launcher: every process
+launcher restart the job, and the final weights equal those of an uninterrupted run bit for bit
+(test_make_restart.py, through `make ddp`; without restarts the job ends, below). SIGTERM or SIGUSR1 (a scheduler's "stop now") to one process or to the launcher: every process
 stops after the same step with a checkpoint and exit code 75, and --resume continues bit for bit.
 """
 
@@ -28,10 +28,6 @@ BIN = Path(sys.executable).parent
 FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
          "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "3",
          "--checkpoint-every", "4", "--keep-checkpoints", "10", "--report-to", "none"]
-# The restart recipe that works: c10d rendezvous, and the launcher told not to share
-# its TCP store with the rendezvous; the default static rendezvous fails to restart.
-RESTARTABLE = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
-OWN_RENDEZVOUS = {"PET_STANDALONE": "1"}  # as `make ddp`: a free port and a random id for each job
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
 STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state is in (\S+); .*?\(exit code 75\)")
@@ -119,25 +115,6 @@ def single_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "reference"
     run_single(tmp_path_factory.getbasetemp(), "--output-dir", out)
     return out
-
-
-def test_a_killed_worker_is_restarted_and_resumes_bit_for_bit(uninterrupted, tmp_path):
-    """A `make ddp`-style job restarts a killed worker and ends with the uninterrupted run's weights;
-    a second restartable job started at the same moment on the same machine finishes too. Without
-    PET_STANDALONE=1 both launchers meet at the c10d default, localhost:29400, and the second fails
-    with a RendezvousConnectionError (seen by hand, 1 s apart)."""
-    def start(out: Path, *extra):
-        return subprocess.Popen([*accelerate(*RESTARTABLE), "--output-dir", str(out), *extra], cwd=ROOT,
-                                env={**env(tmp_path), **OWN_RENDEZVOUS}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    out, beside = tmp_path / "run", tmp_path / "beside"
-    process, other = start(out), start(beside, "--max-steps", "2")
-    kill_worker_after(process, out / "checkpoints" / "step_00000012", local_rank="1")
-    output, other_output = process.communicate(timeout=300)[0], other.communicate(timeout=300)[0]
-    assert process.returncode == 0, output
-    assert "resumed from" in output and "step_00000012" in output  # by itself: no --resume given
-    assert_same(out, uninterrupted)
-    assert other.returncode == 0 and (beside / "model.safetensors").exists(), f"the job beside it:\n{other_output}"
 
 
 def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):

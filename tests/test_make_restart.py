@@ -1,5 +1,9 @@
 """`make ddp`, the README's DDP command, survives a crashed worker: run through the Makefile itself.
 
+The contract, on 2 CPU processes: kill one worker with SIGKILL in the middle of an epoch, the
+launcher restarts the job, and the final weights equal those of an uninterrupted run bit for bit
+(the same flags, 2 processes forked as torchrun starts them: tests/helpers.py's Processes).
+
 What the recipe's settings do (the Makefile says why), checked by dropping each (docs/tests.md):
 `--max_restarts` restarts the job: without it the job fails. PET_STANDALONE=1 gives the job a
 rendezvous of its own instead of localhost:29400, which another job on the machine may hold (a
@@ -19,12 +23,14 @@ import time
 from pathlib import Path
 
 import psutil
-from helpers import ROOT, user_env
+import torch
+from helpers import ROOT, Processes, user_env, weights
 from safetensors import safe_open
 
 # 4 steps an epoch, 8 in all, a checkpoint every 2 steps; the last value of a flag wins over the recipe's.
 ARGS = ("--dataset synthetic --synthetic-train-size 256 --synthetic-test-size 64 --model resnet20 --batch-size 64 "
         "--epochs 2 --checkpoint-every 2 --report-to none")
+RECIPE = ("--dataset", "synthetic", "--model", "resnet20", "--checkpoint-every", "50")  # the Makefile's flags
 DEFAULT_RENDEZVOUS = 29400  # torch's c10d default port, where launchers without PET_STANDALONE meet
 
 
@@ -66,6 +72,9 @@ def test_make_ddp_restarts_a_killed_worker_and_resumes_from_its_checkpoint(tmp_p
     # The recipe's settings only: none of them, nor any other of the launcher's, from the test's environment.
     env = {k: v for k, v in user_env(CIFAR_CACHE_DIR=str(tmp_path / ".cache"), OMP_NUM_THREADS="1").items()
            if not k.startswith(("PET_", "TORCHELASTIC_", "TORCH_DISABLE_SHARE_RDZV"))}
+    # the uninterrupted run, beside the job
+    reference = Processes("train_ddp.py", *RECIPE, *ARGS.split(), "--output-dir", tmp_path / "reference",
+                          cwd=tmp_path)
     with another_job_at_the_default_rendezvous(), open(log, "w") as output:
         make = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -82,5 +91,8 @@ def test_make_ddp_restarts_a_killed_worker_and_resumes_from_its_checkpoint(tmp_p
     resumed = [line for line in text.splitlines() if line.startswith("resumed from ")]
     assert resumed and resumed[0].startswith(f"resumed from {out}/checkpoints/step_0000000"), text[-4000:]
     assert "done: step 8" in text, text[-4000:]
-    with safe_open(str(out / "model.safetensors"), "pt") as weights:
-        assert int(weights.metadata()["step"]) == 8
+    with safe_open(str(out / "model.safetensors"), "pt") as final:
+        assert int(final.metadata()["step"]) == 8
+    assert reference.wait(timeout=150) == [0, 0], reference.output()
+    ours, theirs = weights(out), weights(tmp_path / "reference")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
