@@ -35,7 +35,6 @@ LAUNCHING_TESTS = {
     "test_fault_tolerance": {"test_without_restarts_a_killed_worker_ends_the_job",
                              "test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit",
                              "test_ddp_stop_and_resume_by_hand",
-                             "test_sigusr1_to_one_worker_stops_both_after_the_same_step",
                              "test_a_stalled_worker_fails_the_job_after_the_dist_timeout",
                              "test_the_launcher_passes_sigusr1_on_only_through_pet_signals_to_handle"},
     # on a GPU (skipped without one); its tests of gpu_check's plan and report run beside the others

@@ -283,16 +283,15 @@ def test_a_train_single_checkpoint_resumes_under_ddp_as_its_continuation(tmp_pat
 
 
 def test_sigusr1_to_one_worker_stops_both_after_the_same_step(tmp_path):
+    """The signal to one process only, as a scheduler may send it: the processes forked as torchrun
+    starts them (what the launcher does with a stop signal is tested above and below)."""
     out = tmp_path / "run"
-    process = subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kill_worker_after(process, out / "checkpoints" / "step_00000004", local_rank="1", signum=signal.SIGUSR1)
-    output = process.communicate(timeout=120)[0]
-    assert process.returncode != 0, output[-3000:]
+    job = Processes("train_ddp.py", *FLAGS, "--output-dir", out, cwd=tmp_path)
+    wait_for(job.procs[1], out / "checkpoints" / "step_00000004")
+    job.procs[1].send_signal(signal.SIGUSR1)
+    assert job.wait(timeout=120) == [STOPPED, STOPPED] and bad_ends(job.output()) == [], job.output()[-3000:]
     # Rank 0 got no signal and says so; it stopped because rank 1 did, after the same step.
-    step = stopped_at(output, out, "a stop signal to another process")
-    exit_codes = re.findall(r"exitcode\s*: (-?\d+)", output)  # the launcher's table of the workers that ended
-    assert exit_codes and set(exit_codes) == {str(STOPPED)} and bad_ends(output) == [], output[-3000:]
+    step = stopped_at(job.output(), out, "a stop signal to another process")
     # One checkpoint after step 4, written by both processes together.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", f"step_{step:08d}"]
     saved = {p.name for p in (out / "checkpoints" / f"step_{step:08d}").iterdir()}
