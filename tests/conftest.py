@@ -118,26 +118,42 @@ def pytest_runtest_protocol(item, nextitem):
         subprocess.Popen.__init__ = start
 
 
+def pytest_collection_modifyitems(items):
+    readers = {Path(str(item.fspath)).stem for item in items if "full_run" in getattr(item, "fixturenames", ())}
+    if readers - FULL_RUN_FILES:
+        raise pytest.UsageError(f"{', '.join(sorted(readers - FULL_RUN_FILES))} read full_run: add them to "
+                                f"FULL_RUN_FILES in tests/conftest.py")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one (make gpu-check runs them)")
+
+
+# The files that read the session's full_run: on one worker, so that it trains once (a session
+# fixture is made once per pytest-xdist worker that asks for it; 25 s of CPU each time).
+FULL_RUN_FILES = {"test_train_single", "test_tracking", "test_train_dp", "test_wandb_flags"}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scheduling by file (a file's module fixtures run once), the launching tests together
-    in one unit of work."""
+    in one unit of work, and the readers of full_run in another."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduler(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "launching" if launches(nodeid) else nodeid.partition("::")[0]
+            if launches(nodeid):
+                return "launching"
+            file = nodeid.partition("::")[0]
+            return "full_run" if Path(file).stem in FULL_RUN_FILES else file
 
     return Scheduler(config, log)
 
 
 @pytest.fixture(scope="session")
 def full_run(tmp_path_factory):
-    """One uninterrupted 3-epoch train_single run, tracked offline, shared by several test files."""
+    """One uninterrupted 3-epoch train_single run, tracked offline, shared by the test files of
+    FULL_RUN_FILES."""
     out = tmp_path_factory.mktemp("full") / "run"
     done = run("train_single.py", *TINY, "--log-every", 8, "--output-dir", out)
     return out, done
