@@ -3,11 +3,12 @@
 import json
 import os
 import resource
+import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ROOT, execute, user_env
+from helpers import ROOT
 from torchvision.transforms import v2
 
 from common.checkpoints import latest_checkpoint
@@ -319,17 +320,15 @@ print(faults() - before)
 
 
 def test_on_a_cpu_freed_tensor_memory_is_reused_not_faulted_in_again(tmp_path):
-    """Real page faults of a process whose malloc nothing has set (forked from the zygote: torch,
-    torchvision and accelerate imported, nothing else done): by default glibc maps a 64 MB tensor's
-    pages anew at each allocation (above its mmap threshold, which never rises past 32 MB by itself);
-    after set_numerics on a CPU (common.numerics.keep_freed_memory) it reuses them."""
+    """Real page faults of a fresh process: by default glibc maps a 64 MB tensor's pages anew at each
+    allocation; after set_numerics on a CPU (common.numerics.keep_freed_memory) it reuses them."""
     if not keep_freed_memory(torch.device("cpu")):
         pytest.skip("not glibc: malloc's own behaviour")
     (tmp_path / "faults.py").write_text(FAULTS)
     faults = {}
     for device in ("untouched", "cpu"):
-        done = execute([sys.executable, tmp_path / "faults.py", device], cwd=ROOT, env=user_env(), timeout=120)
-        assert done.returncode == 0, done.stderr
+        done = subprocess.run([sys.executable, str(tmp_path / "faults.py"), device], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, check=True)
         faults[device] = int(done.stdout)
     # By default at least 16 of the 20 allocations are mapped anew; after, the pages are kept, and the
     # faults left (16,384 on a quiet machine, up to 49,153 under load: the kernel's own minor faults,
