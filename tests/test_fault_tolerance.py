@@ -3,8 +3,9 @@ and a stop signal costs nothing.
 
 The contract, on 2 CPU processes: kill one worker with SIGKILL in the middle of an epoch, let the
 launcher restart the job, and the final weights equal those of an uninterrupted run bit for bit
-(test_make_restart.py, through `make ddp`; without restarts the job ends, below). SIGTERM or SIGUSR1 (a scheduler's "stop now") to one process or to the launcher: every process
-stops after the same step with a checkpoint and exit code 75, and --resume continues bit for bit.
+(test_make_restart.py, through `make ddp`; without restarts the job ends, below). SIGTERM or
+SIGUSR1 (a scheduler's "stop now") to one process or to the launcher: every process stops after the
+same step with a checkpoint and exit code 75, and --resume continues bit for bit.
 """
 
 import json
