@@ -279,11 +279,12 @@ def check_allreduce(world_size: int, backend: str, size_mb: float, iters: int,
     name = f"all-reduce, {world_size} processes on {backend}"
     advice = NCCL_ADVICE if backend == "nccl" else GLOO_ADVICE
     numel = max(1, int(size_mb * 1e6) // 4)
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    # CUDA cannot be used in a forked child; gloo's processes on a CPU fork, with torch imported.
+    method = "spawn" if backend == "nccl" else "fork"
+    results = mp.get_context(method).SimpleQueue()
     workers = mp.start_processes(allreduce_worker, args=(world_size, backend, free_port(), numel,
                                                          iters, timeout, results),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout
     try:
         while not workers.join(timeout=1):

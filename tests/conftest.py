@@ -29,7 +29,8 @@ LAUNCHING_TESTS = {
     "test_benchmark": {"test_rows_launch_the_real_scripts_and_follow_the_protocol",
                        "test_checks_state_each_ratio_against_its_target",
                        "test_loader_check_compares_the_workers_path_with_torchvision_side_by_side",
-                       "test_report_files_are_well_formed"},
+                       "test_report_files_are_well_formed",
+                       "test_each_flag_is_measured_against_the_launches_without_it_around_its_round"},
     # the jobs under accelerate launch, and the tests of their module fixtures (uninterrupted,
     # ddp_interrupted)
     "test_fault_tolerance": {"test_without_restarts_a_killed_worker_ends_the_job",

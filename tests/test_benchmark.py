@@ -20,17 +20,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, make
+from helpers import BIN, ROOT, make
 from PIL import Image
 
 # As small as the protocol allows, as the tests check what the figures are made of, not how large they
 # are: the checks' 5 plain loops run STEPS steps in each of 3 rounds, and the bf16 one (precision)
-# takes about 0.6 s a step at batch 8 on 2 CPU cores, 1.5 s at batch 16. With STEPS = 3 a launch's
-# median step is still the middle one, no mean. FILES: 4 batches an epoch in the loader check's epochs.
-BATCH, STEPS, FILES = 8, 3, 32
+# takes about 0.6 s a step at batch 8 on 2 CPU cores, 1.5 s at batch 16. STEPS = 4 is the fewest that
+# keep a tracker's log step (step 5, --log-every 5) among the finetune check's measured ones: it is
+# written after its optimizer step, inside the interval that ends with step 6. FILES: 4 batches an
+# epoch in the loader check's epochs. One `make bench` for every check: a launch's time is mostly its
+# imports (the finetune check's 7 launches and the rows' 4 in one run, 2 launches fewer than apart).
+BATCH, STEPS, FILES = 8, 4, 32
 TINY = ["--model", "resnet20", "--per-device-batch-size", BATCH, "--steps", STEPS, "--strategies", "single", "ddp2",
-        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "--loader-images", "256",
-        "--loader-files", FILES, "--matmul-size", "256", "--sweep-batch-size", BATCH]
+        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "finetune",
+        "--finetune-flags", "freeze", "tensorboard", "--loader-images", "256", "--loader-files", FILES,
+        "--matmul-size", "256", "--sweep-batch-size", BATCH]
 
 
 def load_script(name):
@@ -103,7 +107,8 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
 def test_checks_state_each_ratio_against_its_target(report):
     _, result, stdout = report
     checks = {c["check"].split(":")[0]: c for c in result["checks"]}
-    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema", "watch"}
+    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema", "watch",
+                           "finetune"}
     assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
     assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
     assert checks["compute"]["target"] == ">= 85 %"
@@ -176,6 +181,65 @@ def test_report_files_are_well_formed(report):
     assert "| ema: plain loop with --ema-decay / without |" in markdown
     with Image.open(out / "benchmark.png") as image:
         assert image.format == "PNG" and image.width > 800 and image.height > 200
+
+
+# ---------------------------------------------------------------------- the finetune check
+# What a fine-tuning flag costs per step: train_single launched with the flag and without it, rounds
+# alternated (bench/finetune.py), in the same `make bench` as the rows.
+
+def test_each_flag_is_measured_against_the_launches_without_it_around_its_round(report):
+    out, result, stdout = report
+    checks = [c for c in result["checks"] if c["check"].startswith("finetune:")]
+    assert [c["check"] for c in checks] == ["finetune: --pretrained-path FILE --freeze backbone",
+                                            "finetune: --report-to tensorboard"]
+    for check in checks:
+        assert check["target"] == "reported" and check["passed"] is None and 0 <= check["other_work"] <= 1
+        # --repeats 2: two rounds of one launch per flag, three launches without flags around them
+        assert len(check["runs"]) == 2 and len(check["base_runs"]) == 3
+        for run in check["runs"] + check["base_runs"]:
+            # the protocol's launches: 2 warm-up + STEPS measured steps, on the workers path, a log every 5 steps
+            assert run["steps"] == 2 + STEPS and len(run["step_seconds"]) == STEPS and run["loader"] == "workers"
+            assert run["args"]["log_every"] == 5 and run["args"]["loader"] == "workers"
+        # A launch's step is the mean of its measured steps (the tracker's log steps included); each round's
+        # launch with the flag against the mean of the launches without flags before and after its round.
+        base = [statistics.fmean(run["step_seconds"]) for run in check["base_runs"]]
+        flagged = [statistics.fmean(run["step_seconds"]) for run in check["runs"]]
+        around = [(base[0] + base[1]) / 2, (base[1] + base[2]) / 2]
+        ratios = [f / b for f, b in zip(flagged, around)]
+        assert check["round_ratios"] == pytest.approx(ratios)
+        assert check["value"] == pytest.approx(statistics.median(ratios))
+        assert check["cost_ms"] == pytest.approx(1e3 * statistics.median(f - b for f, b in zip(flagged, around)))
+        assert check["measured"].startswith(f"{check['cost_ms']:+.1f} ms a step, {check['value']:.3f}x")
+        assert f"| {check['check']} |" in stdout  # in the printed checks table
+    freeze, tensorboard = checks
+    # The launches without flags are the same for both flags; each flag really reached the script.
+    assert freeze["base_runs"] == tensorboard["base_runs"]
+    for run in freeze["base_runs"]:
+        assert run["args"]["freeze"] == "none" and run["args"]["pretrained_path"] is None
+        assert run["args"]["report_to"] == ["none"]
+    for run in freeze["runs"]:
+        assert run["args"]["freeze"] == "backbone" and run["args"]["pretrained_path"].endswith("weights.safetensors")
+    # The protocol's --report-to none comes first: the flag's own value wins.
+    assert all(run["args"]["report_to"] == ["tensorboard"] for run in tensorboard["runs"])
+    # Launched in this order: a base launch, the flags, a base launch, the flags reversed, a base launch.
+    base, first, second = freeze["base_runs"], freeze["runs"], tensorboard["runs"]
+    ends = [run["step_end"][-1] for run in (base[0], first[0], second[0], base[1], second[1], first[1], base[2])]
+    assert ends == sorted(ends)
+
+
+def test_finetune_is_not_part_of_all():
+    # Two launches per flag: asked for by name only.
+    benchmark = load_script("benchmark")
+    assert "finetune" in benchmark.CHECKS and "finetune" not in benchmark.chosen_checks(["all"])
+    assert benchmark.chosen_checks(["all", "finetune"]) == list(benchmark.CHECKS)
+    assert benchmark.chosen_checks(["finetune"]) == ["finetune"] and benchmark.chosen_checks(["none"]) == []
+
+
+def test_a_flag_name_the_check_does_not_know_is_one_line(tmp_path):
+    done = subprocess.run([str(BIN / "python"), str(ROOT / "scripts" / "benchmark.py"), "--checks", "finetune",
+                           "--finetune-flags", "dropout"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "argument --finetune-flags: invalid choice: 'dropout'" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gpu_rows_follow_the_gpu_count(monkeypatch):

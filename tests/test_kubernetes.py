@@ -9,8 +9,9 @@ the environment the Torch plugin and the runtime give the two pods of a 2-node T
 the first pod's address on the loopback, the runtime's env with the downward API's labels filled
 in), running the TrainJob's command and args as Kubernetes expands them, tiny flags appended (the
 last value of a flag wins). A JobSet restart is both pods started again: new processes, the same
-JobSet uid. The uninterrupted reference runs the same command as one torchrun of 2 processes. What a worker's exit status is, torchrun does not say after passing a signal on: a
-`sitecustomize` on PYTHONPATH (the test's only addition) records each worker's `sys.exit` code.
+JobSet uid. The uninterrupted reference runs the same script and flags on 2 processes forked as
+torchrun starts them. What a worker's exit status is, torchrun does not say after passing a signal
+on: a `sitecustomize` on PYTHONPATH (the test's only addition) records each worker's `sys.exit` code.
 Not run here: the image build (no base image can be pulled) and a real cluster.
 """
 
@@ -29,7 +30,7 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from helpers import ROOT, bad_ends, free_port, user_env, weights
+from helpers import ROOT, Processes, bad_ends, free_port, user_env, weights
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
@@ -359,26 +360,23 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(workspace):
-    """The TrainJob's run uninterrupted, the same 2 processes on one node (one torchrun: a cheaper
-    start), started first and run beside the interrupted job, whose pods leave the cores idle while
-    they start, fail and stop; called, its run folder once it has ended."""
+    """The TrainJob's run uninterrupted, its 2 processes forked as torchrun starts them on one node
+    (helpers.Processes: no imports to pay; the launch is what the interrupted job tests), started first
+    and run beside the interrupted job, whose pods leave the cores idle while they start, fail and
+    stop; called, its run folder once it has ended."""
     job = Job(workspace, "reference")
     command = job.command(job.pod_env(0, 0))
-    command[1:1] = ["--standalone", "--nproc-per-node", "2"]  # a rendezvous of its own, on a free port
-    log = workspace / "reference.log"
-    with open(log, "w") as output:
-        process = subprocess.Popen(command, cwd=workspace, env={**user_env(), "OMP_NUM_THREADS": "1"},
-                                   stdout=output, stderr=subprocess.STDOUT)
+    processes = Processes(workspace / command[1], *command[2:], cwd=workspace)  # rank0.out ... in the workspace
 
     def ended() -> Path:
-        code = finish([process])
-        assert code == [0] and clean(log.read_text()), log.read_text()[-3000:]
+        assert processes.wait(timeout=180) == [0, 0], processes.output()
+        assert all(clean(processes.stderr(rank)) for rank in (0, 1)), processes.output()
         return job.folder
 
     yield ended
-    if process.poll() is None:  # a test that failed before the reference ended
-        lose_node(process)
-        process.wait()
+    for process in processes.procs:  # a test that failed before the reference ended
+        if process.poll() is None:
+            process.kill()
 
 
 @pytest.fixture(scope="module")
