@@ -69,6 +69,11 @@ OWN_PORTS = {
 }
 
 
+# The files that read the session's full_run: on one worker, so that it trains once (a session
+# fixture is made once per pytest-xdist worker that asks for it; 25 s of CPU each time).
+FULL_RUN_FILES = {"test_train_single", "test_tracking", "test_train_dp", "test_wandb_flags"}
+
+
 def _listed(nodeid: str, files: set, tests: dict) -> bool:
     file, _, test = nodeid.partition("::")
     stem = Path(file).stem
@@ -128,11 +133,6 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one (make gpu-check runs them)")
-
-
-# The files that read the session's full_run: on one worker, so that it trains once (a session
-# fixture is made once per pytest-xdist worker that asks for it; 25 s of CPU each time).
-FULL_RUN_FILES = {"test_train_single", "test_tracking", "test_train_dp", "test_wandb_flags"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -238,6 +238,15 @@ def weights(run_dir):
     return load_file(str(Path(run_dir) / "model.safetensors"))
 
 
+def assert_same_weights(a, b) -> None:
+    """The weights of two runs (or checkpoints) are equal bit for bit, tensor by tensor; the first that
+    differs is named."""
+    ours, theirs = weights(a), weights(b)
+    assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
 def wandb_runs(run_dir: Path) -> list[Path]:
     """The offline wandb run folders a run left next to its record."""
     return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from helpers import Forked, Processes, ROOT, bad_ends, execute, two_processes, user_env, weights
+from helpers import Forked, Processes, ROOT, assert_same_weights, bad_ends, execute, two_processes, user_env, weights
 
 BIN = Path(sys.executable).parent
 # 8 steps an epoch, 24 in all; a checkpoint every 4 steps, so step 12 is the middle of epoch 2. A
@@ -35,8 +34,7 @@ STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state i
 
 
 def env(tmp_path):
-    return {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache"),
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
 
 
 def accelerate(*launch_args, script="train_ddp.py"):
@@ -81,13 +79,6 @@ def stopped_at(output: str, out: Path, signal_name: str, listed: list[str] | Non
 
 def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
-
-
-def assert_same(a: Path, b: Path):
-    ours, theirs = weights(a), weights(b)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
 
 
 @pytest.fixture(scope="module")
@@ -175,14 +166,14 @@ def test_single_stops_on_sigterm_and_resumes_bit_for_bit(single_interrupted, sin
     assert process.returncode == STOPPED and seconds < 60, output[-3000:]
     step = stopped_at(output, out, "SIGTERM", listed)
     assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in single_interrupted["resumed"]
-    assert_same(out / "checkpoints" / "step_00000012", single_reference / "checkpoints" / "step_00000012")
+    assert_same_weights(out / "checkpoints" / "step_00000012", single_reference / "checkpoints" / "step_00000012")
 
 
 def test_single_killed_and_resumed_by_hand(single_interrupted, single_reference):
     out = single_interrupted["out"]
     assert "model.safetensors" not in single_interrupted["killed"]
     assert f"resumed from {out / 'checkpoints' / 'step_00000012'}" in single_interrupted["finished"].stdout
-    assert_same(out, single_reference)
+    assert_same_weights(out, single_reference)
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +203,14 @@ def test_ddp_stops_on_sigterm_to_the_launcher_and_resumes_bit_for_bit(ddp_interr
     resumed = ddp_interrupted["resumed"]
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in resumed.stdout
-    assert_same(out / "checkpoints" / "step_00000012", uninterrupted / "checkpoints" / "step_00000012")
+    assert_same_weights(out / "checkpoints" / "step_00000012", uninterrupted / "checkpoints" / "step_00000012")
 
 
 def test_ddp_stop_and_resume_by_hand(ddp_interrupted, uninterrupted):
     """Stopped by --max-steps 13 inside epoch 2, continued with --resume: the uninterrupted run's weights."""
     out, done = ddp_interrupted["out"], ddp_interrupted["finished"]
     assert "resumed from" in done.stdout and "step 13" in done.stdout
-    assert_same(out, uninterrupted)
+    assert_same_weights(out, uninterrupted)
 
 
 # The launcher of one process killed: SIGKILL passes nothing on, so the training process asks the

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT, Forked, run, tmpfs, tree_digest, two_processes, user_env, weights, worker_lines
+from helpers import (ROOT, Forked, assert_same_weights, run, tmpfs, tree_digest, two_processes, user_env, weights,
+                     worker_lines)
 from safetensors.torch import load_file, save_file
 
 from common.checkpoints import checkpoint_problem, save_checkpoint
@@ -71,10 +72,6 @@ def diagnostics(stderr: str) -> list[str]:
     return [m.group(1) for m in found if m]
 
 
-def same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def grow(path: Path, size: str):
     subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
 
@@ -95,7 +92,7 @@ def test_damaged_bytes_are_skipped_for_the_older_checkpoint(base, copy, name):
         f"{manifest['crc32'][name]} was written)): resuming from {copy}/checkpoints/{step(6)}, the newest "
         f"complete one"]
     assert f"resumed from {copy}/checkpoints/{step(6)} at epoch 2, step 6" in done.stdout
-    assert same_weights(weights(copy), weights(base))
+    assert_same_weights(copy, base)
     assert checkpoint_problem(newest) is None  # written again, whole
 
 
@@ -121,7 +118,7 @@ def test_a_listed_checkpoint_that_does_not_load_falls_back(base, copy):
     assert line.startswith(f"warning: damaged checkpoint skipped ({step(8)}: scheduler.bin does not load (")
     assert line.endswith(f"): resuming from {copy}/checkpoints/{step(6)}, the newest complete one before it")
     assert "written by another script" not in done.stderr
-    assert same_weights(weights(copy), weights(base))
+    assert_same_weights(copy, base)
 
 
 def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(base, copy, tmp_path):
@@ -144,7 +141,7 @@ def test_a_named_checkpoint_that_does_not_load_is_refused_naming_an_older_one(ba
     advice = line.rpartition(" with ")[2].split()
     done = run("train_single.py", *FLAGS, *advice, cwd=tmp_path)
     assert f"resuming from {copy}/checkpoints/{step(6)}" in done.stderr
-    assert same_weights(weights(copy), weights(base))
+    assert_same_weights(copy, base)
 
 
 def test_a_checkpoint_of_one_parameter_group_is_said_to_be_of_an_earlier_version(copy, tmp_path):
@@ -181,7 +178,7 @@ def test_a_manifest_listing_nothing_is_damaged(base, copy):
     assert diagnostics(done.stderr) == [
         f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list custom_checkpoint_0.pkl): "
         f"resuming from {copy}/checkpoints/{step(6)}, the newest complete one"]
-    assert same_weights(weights(copy), weights(base))
+    assert_same_weights(copy, base)
 
 
 # ------------------------------------------------------------------------------ a run's record
@@ -197,7 +194,8 @@ def test_an_older_step_of_a_finished_run_is_refused_and_continues_elsewhere(base
     assert tree_digest(copy) == before
     # the choice it gives: the same run continued in a new folder, bit for bit
     done = run("train_single.py", *FLAGS, "--resume", older, "--output-dir", tmp_path / "new", cwd=tmp_path)
-    assert same_weights(weights(tmp_path / "new"), weights(base)) and tree_digest(copy) == before
+    assert_same_weights(tmp_path / "new", base)
+    assert tree_digest(copy) == before
 
 
 def test_an_older_step_of_a_run_that_went_on_is_refused(copy, tmp_path):
@@ -327,7 +325,7 @@ def test_weights_that_are_not_finite_are_not_written(base, copy, tmp_path):
     # followed: an earlier checkpoint continued into a new folder ends as the uninterrupted run
     run("train_single.py", *FLAGS, "--resume", copy / "checkpoints" / step(6), "--output-dir", tmp_path / "new",
         cwd=tmp_path)
-    assert same_weights(weights(tmp_path / "new"), weights(base))
+    assert_same_weights(tmp_path / "new", base)
 
 
 def evaluate(weights_file, *extra):
@@ -371,7 +369,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_and_resume_finishes(base
         grow(disk, "64m")
         done = run("train_single.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
         assert f"resumed from {out}/checkpoints/{step(2)}" in done.stdout
-        assert same_weights(weights(out), weights(base))
+        assert_same_weights(out, base)
 
 
 def test_a_full_disk_for_the_final_weights(base, tmp_path):
@@ -393,7 +391,7 @@ def test_a_full_disk_for_the_final_weights(base, tmp_path):
                                                          "metrics.jsonl"]
         filler.unlink()
         run("train_single.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
-        assert same_weights(weights(out), weights(base))
+        assert_same_weights(out, base)
 
 
 def test_a_disk_full_before_the_run_starts_is_one_line_and_leaves_nothing(tmp_path):
@@ -476,7 +474,7 @@ def test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given(ddp_base
     resumes = re.findall(r"resumed from (\S+) at", stdout)
     assert resumes == [str(ddp_base / "checkpoints" / step(2)), str(restarted_from)], stdout[-3000:]
     assert "already holds" not in stderr
-    assert same_weights(weights(new), weights(ddp_base))
+    assert_same_weights(new, ddp_base)
 
 
 def test_a_job_refused_at_its_start_is_refused_again_after_its_restart(ddp_base, tmp_path):

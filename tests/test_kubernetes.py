@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from helpers import ROOT, Processes, bad_ends, free_port, user_env, weights
+from helpers import ROOT, Processes, assert_same_weights, bad_ends, free_port, user_env
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
@@ -445,9 +445,6 @@ def test_the_job_started_again_ends_at_the_weights_of_an_uninterrupted_run(inter
     outputs = found["outputs"][3]
     assert codes == [0, 0] and sorted(exits.values()) == [0, 0] and all(map(clean, outputs)), outputs
     assert "--resume" not in job.command(job.pod_env(0, 1))  # by itself
-    ours, theirs = weights(job.folder), weights(reference())
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+    assert_same_weights(job.folder, reference())
     records = [json.loads(line) for line in (job.folder / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"]) for r in records] == [(1, 6), (2, 12)]  # one run, one record

@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 import psutil
-import torch
-from helpers import ROOT, Processes, user_env, weights
+from helpers import ROOT, Processes, assert_same_weights, user_env
 from safetensors import safe_open
 
 # 4 steps an epoch, 8 in all, a checkpoint every 2 steps; the last value of a flag wins over the recipe's.
@@ -94,5 +93,4 @@ def test_make_ddp_restarts_a_killed_worker_and_resumes_from_its_checkpoint(tmp_p
     with safe_open(str(out / "model.safetensors"), "pt") as final:
         assert int(final.metadata()["step"]) == 8
     assert reference.wait(timeout=150) == [0, 0], reference.output()
-    ours, theirs = weights(out), weights(tmp_path / "reference")
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_same_weights(out, tmp_path / "reference")
