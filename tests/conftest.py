@@ -14,7 +14,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
-from helpers import TINY, run  # noqa: E402
 
 # The files, and the tests of other files, that launch several processes at a launcher's default
 # port: accelerate launch's 29500, the c10d rendezvous's 29400 (a restartable job without
@@ -155,6 +154,9 @@ def pytest_xdist_make_scheduler(config, log):
 def full_run(tmp_path_factory):
     """One uninterrupted 3-epoch train_single run, tracked offline, shared by the test files of
     FULL_RUN_FILES."""
+    from helpers import TINY, run  # here, not at the top: pytest-xdist's controller, which runs no test, loads
+    # this file too, and helpers imports torch (6 s of CPU)
+
     out = tmp_path_factory.mktemp("full") / "run"
     done = run("train_single.py", *TINY, "--log-every", 8, "--output-dir", out)
     return out, done
