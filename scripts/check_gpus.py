@@ -279,8 +279,9 @@ def check_allreduce(world_size: int, backend: str, size_mb: float, iters: int,
     name = f"all-reduce, {world_size} processes on {backend}"
     advice = NCCL_ADVICE if backend == "nccl" else GLOO_ADVICE
     numel = max(1, int(size_mb * 1e6) // 4)
-    # CUDA cannot be used in a forked child; gloo's processes on a CPU fork, with torch imported.
-    method = "spawn" if backend == "nccl" else "fork"
+    # CUDA cannot be used in a forked child, nor can macOS's system libraries: gloo's processes on
+    # a Linux CPU fork, torch imported (spawned, each imports it again: 12 s of CPU on 2 cores).
+    method = "fork" if backend == "gloo" and sys.platform == "linux" else "spawn"
     results = mp.get_context(method).SimpleQueue()
     workers = mp.start_processes(allreduce_worker, args=(world_size, backend, free_port(), numel,
                                                          iters, timeout, results),
