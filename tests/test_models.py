@@ -117,6 +117,9 @@ def test_models_with_auxiliary_heads_train_on_logits(name, size):
     assert all(p.grad is not None for p in model.parameters())  # no head left out of the graph
 
 
+ADVICE_RUN = set()  # the (model, size) pairs whose advised size a real forward has shown to work
+
+
 @pytest.mark.parametrize("name, size, message", [
     ("torchvision:vit_b_16", 32, "takes 224x224 images only, not 32x32"),
     ("torchvision:vit_b_16", 256, "takes 224x224 images only, not 256x256"),
@@ -135,9 +138,6 @@ def test_a_size_the_model_cannot_take_is_refused_with_the_size_it_needs(name, si
         with torch.no_grad():
             assert model(torch.zeros(1, 3, fix, fix)).shape == (1, 10)
         ADVICE_RUN.add((name, fix))
-
-
-ADVICE_RUN = set()  # the (model, size) pairs whose advised size a real forward has shown to work
 
 
 @pytest.mark.parametrize("name", ["resnet20", "torchvision:mobilenet_v3_small"])
