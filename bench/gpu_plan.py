@@ -8,8 +8,13 @@ script on one GPU, 2026-11-23) comes last and runs when the budget allows (--bud
 
 Estimates come from the H100 check of 2026-11-23 (a 1-process tiny run about 11 s, evaluate.py
 about 9 s, TorchInductor's compile about 50 s, a benchmark run at batch 128 with 2 strategies 71 s)
-and, for rows no GPU has run yet, a shared 2-process launch taken as about 20 s. The report puts
-each row's measured time beside its estimate: update ESTIMATES here from it.
+and the H200 check of 2026-11-28, the first to run 2 processes sharing a GPU (over gloo: a 2-process
+launch 25-45 s); rows no GPU has run yet are guesses. The report puts each row's measured time
+beside its estimate: update the estimates here from it.
+
+FSDP2's processes share a GPU over NCCL only (NCCL 2.30 and newer): over gloo they crashed
+(docs/gpu/nvidia-h200.md), and train_fsdp.py refuses it. Where the one GPU's NCCL is older, the
+FSDP2 rows are not run and the refusal row checks that refusal instead.
 """
 
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ class Row:
     gpus: int = 1  # the GPUs it needs (DataParallel: 2)
     bf16: bool = False  # needs native bf16 (compute capability 8.0 and newer)
     extra: bool = False  # proven on a GPU before: runs after the rest, if the budget allows
+    fsdp: bool = False  # FSDP2 in several processes: on one GPU, only where NCCL shares it
 
 
 def check(name, proves, seconds, **kwargs) -> Row:
@@ -48,24 +54,27 @@ AGREES = "test_all_gpus_match_one_gpu"
 PLAN = [
     # ---- several processes on CUDA tensors: two share the GPU where there is one
     check(f"{AGREES}[train_ddp.py]", "DDP's all-reduce on CUDA tensors: 2 processes end 5 steps "
-          "within 1e-4 of one (BatchNorm frozen, --deterministic)", 30),
+          "within 1e-4 of one (BatchNorm frozen, --deterministic)", 50),
     check(f"{AGREES}[train_fsdp.py]", "FSDP2: each process holds about 1/N of the parameter and "
-          "optimizer bytes (its shards); the weights within 1e-4 of one process and of DDP's", 20),
+          "optimizer bytes (its shards); the weights within 1e-4 of one process and of DDP's", 40,
+          fsdp=True),
     check("test_more_processes_than_gpus_is_refused_without_share_gpus", "without --share-gpus "
-          "a launch of more processes than GPUs is refused in one line", 12),
+          "a launch of more processes than GPUs is refused in one line (and FSDP2 sharing a GPU "
+          "over gloo)", 80),
     check("test_a_failure_in_one_process_ends_every_process", "a bad image in one process's slice "
           "ends every process within seconds over NCCL, whose collectives fail by nothing but "
-          "their timeout: the failure watch; one line, none aborted or killed", 25),
+          "their timeout: the failure watch; one line, none aborted or killed", 45),
     check(f"{RESUMES}[train_fsdp-all-ema]", "FSDP2 sharded checkpoints, per-process RNG and the "
-          "sharded weight average: stop + --resume bit for bit (--deterministic, --ema-decay)", 60),
+          "sharded weight average: stop + --resume bit for bit (--deterministic, --ema-decay)", 60,
+          fsdp=True),
     check("test_sync_bn_matches_one_gpu_and_plain_ddp_does_not", "SyncBatchNorm's collectives: "
-          "DDP --sync-bn ends within 1e-4 of one process, plain DDP does not", 50),
+          "DDP --sync-bn ends within 1e-4 of one process, plain DDP does not", 75),
     check(f"{LEARNS}[train_amp-all-bf16-sync-bn]", "AMP bf16 under DDP learns; evaluate.py "
-          "reproduces its accuracy", 30, bf16=True),
+          "reproduces its accuracy", 46, bf16=True),
     check(f"{LEARNS}[train_amp-all-fp16-sync-bn]", "AMP fp16 under DDP, GradScaler and all, "
-          "learns; evaluate.py reproduces its accuracy", 30),
+          "learns; evaluate.py reproduces its accuracy", 46),
     check("test_profile_traces_cuda_and_utilisation_is_read_per_process", "--profile traces CUDA "
-          "kernels in every process; NVML's utilisation read by each process", 25),
+          "kernels in every process; NVML's utilisation read by each process", 32),
     check("test_fine_tunes_a_timm_model_at_224_px_through_the_workers", "fine-tuning timm's "
           "ResNet-18 from a weights file at 224 px, JPEGs through DataLoader workers, under DDP", 40),
     check(f"{LEARNS}[train_ddp-all-cuda-graphs]", "--compile --compile-mode reduce-overhead "
@@ -82,7 +91,8 @@ PLAN = [
     check(f"{LEARNS}[train_ddp-all-compile]", "--compile (default mode) under DDP learns", 75,
           extra=True),
     check(f"{LEARNS}[train_fsdp-all-ema]", "FSDP2 with --ema-decay learns; evaluate.py "
-          "reproduces the average's accuracy", 10, extra=True),
+          "reproduces the average's accuracy", 10, extra=True,
+          fsdp=True),
     check(f"{RESUMES}[train_ddp-all-sync-bn]", "DDP --sync-bn: stop + --resume bit for bit", 45,
           extra=True),
     check(f"{RESUMES}[train_amp-all-bf16-sync-bn]", "AMP bf16 under DDP: stop + --resume bit "
@@ -95,7 +105,7 @@ PLAN = [
     check(f"{RESUMES}[train_dp-all]", "DataParallel: stop + --resume bit for bit", 25, gpus=2,
           extra=True),
     check(f"{LEARNS}[train_ddp-all-sync-bn]", "DDP --sync-bn learns", 10, extra=True),
-    check(f"{LEARNS}[train_fsdp-all]", "FSDP2 learns", 30, extra=True),
+    check(f"{LEARNS}[train_fsdp-all]", "FSDP2 learns", 30, extra=True, fsdp=True),
     check("test_check_gpus_passes", "check_gpus.py: devices, topology, copies, NCCL", 9,
           extra=True),
     check("test_a_training_step_never_makes_the_host_wait_for_the_gpu", "no host-device sync in "
@@ -130,9 +140,10 @@ class Planned:
 
 
 def plan(rows: list[Row], budget_s: float, gpus: int, native_bf16: bool,
-         extras: bool = True) -> list[Planned]:
+         extras: bool = True, nccl_shares: bool = True) -> list[Planned]:
     """``rows`` in order, each either run (while the estimates fit in ``budget_s``) or given the
-    reason it is not: too few GPUs, no bf16, past the budget. The first row past the budget ends
+    reason it is not: too few GPUs, no bf16, FSDP2 on one GPU whose NCCL cannot share it
+    (``nccl_shares`` False), past the budget. The first row past the budget ends
     the plan: a later, smaller row is of less value and may need what a skipped one would make."""
     planned, clock, full = [], START_S, False
     for row in rows:
@@ -140,6 +151,8 @@ def plan(rows: list[Row], budget_s: float, gpus: int, native_bf16: bool,
             why = f"needs {row.gpus} GPUs, {gpus} visible"
         elif row.bf16 and not native_bf16:
             why = "needs native bf16 (compute capability 8.0 and newer)"
+        elif row.fsdp and gpus == 1 and not nccl_shares:
+            why = "FSDP2's processes share a GPU over NCCL 2.30 and newer only (gloo crashes)"
         elif row.extra and not extras:
             why = "not asked for"
         elif full or clock + row.seconds > budget_s:
@@ -162,7 +175,7 @@ def render(planned: list[Planned], budget_s: float, gpus: int) -> str:
     """The plan as `--dry-run` prints it: each row, its estimate and when it would end."""
     lines = [f"gpu-check plan for {gpus} GPU(s), budget {budget_s:.0f} s "
              f"({'2 processes share the GPU' if gpus == 1 else 'a process per GPU'}; "
-             f"estimates for one H100, {START_S} s of start first):", "",
+             f"estimates from one H100 and one H200, {START_S} s of start first):", "",
              f"{'#':>3}  {'est s':>5}  {'ends':>5}  row: what it proves"]
     for number, p in enumerate(planned, start=1):
         ends = "-" if p.why_not else f"{p.start_s + p.row.seconds:.0f}"

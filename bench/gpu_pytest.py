@@ -9,6 +9,7 @@ GPU_CHECK_DEADLINE, the time (epoch seconds) by which the checks must end; GPU_C
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -24,12 +25,23 @@ def pytest_runtest_setup(item):
         pytest.skip(f"not run: out of time ({need} s estimated, {max(left, 0):.0f} s left)")
 
 
+# What ended a failed launch, in the order looked for below its message's first line: a script's
+# one line, a signal the launcher names (a crash), an exception with its text.
+CAUSES = [re.compile(r"^error: .*"), re.compile(r"Signal \d+ \(\w+\).*"),
+          re.compile(r"^[\w.]*(?:Error|Exception): .+")]
+
+
 def _message(report) -> str:
+    """A skip's reason; a failure's first line and, from the lines below it (a launch's output),
+    the last that says what ended it."""
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr or "")
-    return text.strip().split("\n")[0][:300]
+    first, *rest = [line.strip() for line in text.strip().splitlines()] or [""]
+    cause = next((found[-1] for pattern in CAUSES
+                  if (found := [m.group(0) for line in rest if (m := pattern.search(line))])), None)
+    return (first if cause is None else f"{first} ... {cause}")[:500]
 
 
 def pytest_runtest_logreport(report):

@@ -185,10 +185,12 @@ UNFINISHED = ("planned", "running", "cut")  # a row the check's time ran out on 
 
 
 def verdict(report: dict) -> str:
-    if not report["passed"]:
-        return "FAIL"
+    """FAIL where a check failed, INCOMPLETE where planned rows did not finish (both can hold)."""
     unfinished = report.get("unfinished", [])
-    return f"INCOMPLETE ({len(unfinished)} planned rows did not finish)" if unfinished else "PASS"
+    incomplete = f"INCOMPLETE ({len(unfinished)} planned rows did not finish)" if unfinished else ""
+    if not report["passed"]:
+        return "FAIL" + (f", {incomplete}" if incomplete else "")
+    return incomplete or "PASS"
 
 
 def plan_section(plan: list[dict]) -> list[str]:

@@ -227,9 +227,9 @@ def add_ddp_args(parser: argparse.ArgumentParser) -> None:
                                 "more GPUs than this machine has (e.g. accelerate_configs/"
                                 "8gpu_rehearsal.yaml on 1 GPU): it proves the launch, checkpoints "
                                 "and resume, not speed. BACKEND: auto (NCCL where it can share a "
-                                "GPU, 2.30 and newer; else gloo), nccl or gloo; with a GPU each "
-                                "it changes nothing (default: off, one process per GPU; more "
-                                "processes than GPUs is refused)")
+                                "GPU, 2.30 and newer; else gloo; FSDP2: NCCL only), nccl or gloo; "
+                                "with a GPU each it changes nothing (default: off, one process "
+                                "per GPU; more processes than GPUs is refused)")
 
 
 def check_args(args: argparse.Namespace) -> None:

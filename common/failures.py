@@ -18,7 +18,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path

@@ -62,12 +62,14 @@ class GpuSharing:
 
 
 def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
-                     nccl: tuple[int, ...] | None) -> GpuSharing:
+                     nccl: tuple[int, ...] | None, sharded: bool = False) -> GpuSharing:
     """``processes`` on a node of ``gpus`` GPUs: one per GPU, or with --share-gpus ``share``
     (auto, nccl, gloo) several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
     Without --share-gpus more processes than GPUs is refused: it is a launch meant for another
     machine (8gpu.yaml on 4 GPUs), where NCCL would fail at its first collective ("Duplicate GPU
-    detected") or, from 2.30, share the GPUs without a word."""
+    detected") or, from 2.30, share the GPUs without a word. FSDP2 (``sharded``) shares a GPU over
+    NCCL only: over gloo its processes crashed with SIGSEGV on an H200 (torch 2.11, NCCL 2.28.9,
+    docs/gpu/nvidia-h200.md), gloo gathering sharded CUDA tensors (pytorch#132471)."""
     if not gpus:  # the CPU: gloo, as without the flag (named when asked, as on GPUs)
         if share == "nccl":
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
@@ -85,6 +87,12 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
         raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
                         f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
     nccl_chosen = share == "nccl" or share == "auto" and nccl_shares_gpus(nccl)
+    if sharded and not nccl_chosen:
+        instead = ("use --share-gpus nccl" if nccl_shares_gpus(nccl) else
+                   f"this torch's NCCL ({_version(nccl)}) cannot share a GPU: use a torch whose "
+                   f"NCCL is 2.30 or newer, or --num_processes {gpus} (a process per GPU)")
+        raise UserError(f"--share-gpus: FSDP2's processes cannot share a GPU over gloo (its "
+                        f"collectives on sharded CUDA tensors crash, pytorch#132471); {instead}")
     return GpuSharing(per_gpu, "nccl" if nccl_chosen else "gloo")
 
 
@@ -116,18 +124,18 @@ def local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def set_gpu_sharing(share: str | None) -> str | None:
+def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
     """One process per GPU, or with --share-gpus ``share`` several, set up in this process: the
-    backend for Accelerate (None: its default). A launch with more processes than GPUs and no
-    --share-gpus is refused, in one line from each node's first process (the others exit quietly).
-    Shared GPUs change three things here. Accelerate hands DDP device_ids=[local rank]
-    (accelerator.py, prepare_model), a GPU this node lacks once processes outnumber GPUs: with
-    ACCELERATE_BYPASS_DEVICE_MAP=true it passes none, and DDP uses the device the model is on (its
-    own GPU, local rank % GPUs). Accelerate's barrier is put on this process's GPU
-    (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
+    backend for Accelerate (None: its default); FSDP2 (``sharded``) only over NCCL. A launch with
+    more processes than GPUs and no --share-gpus is refused, in one line from each node's first
+    process (the others exit quietly). Shared GPUs change three things here. Accelerate hands DDP
+    device_ids=[local rank] (accelerator.py, prepare_model), a GPU this node lacks once processes
+    outnumber GPUs: with ACCELERATE_BYPASS_DEVICE_MAP=true it passes none, and DDP uses the device
+    the model is on (its own GPU, local rank % GPUs). Accelerate's barrier is put on this process's
+    GPU (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
-                                   nccl_version())
+                                   nccl_version(), sharded)
     except UserError:
         ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:

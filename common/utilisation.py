@@ -58,9 +58,16 @@ class GpuBusy:
             self.sums, self.count = [0.0] * len(self.devices), 0
 
     def means(self) -> list[float] | None:
-        """Each device's mean utilisation (%) since restart(); None before the first sample."""
+        """Each device's mean utilisation (%) since restart(). A window shorter than a sample (a
+        short epoch on a fast GPU) has NVML read once now: its last sample period covers most of
+        the window. None if that read fails too."""
         with self.lock:
-            return [round(s / self.count, 1) for s in self.sums] if self.count else None
+            if self.count:
+                return [round(s / self.count, 1) for s in self.sums]
+        try:
+            return [float(self.read(device)) for device in self.devices]
+        except Exception:  # noqa: BLE001 - as a missed sample: the field then says why
+            return None
 
 
 def process_gpus(device: torch.device) -> list[torch.device]:

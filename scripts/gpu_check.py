@@ -51,6 +51,7 @@ from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
 from common.files import check_folder
+from common.launch import nccl_shares_gpus, nccl_version
 from common.run_folder import new_run_dir
 from common.utilisation import GB
 
@@ -380,7 +381,8 @@ def main(args) -> int:
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 1  # the plan for one lent GPU, shown anywhere
     rows = [row for row in gpu_plan.PLAN if row.kind not in {KINDS[s] for s in args.skip}]
-    planned = gpu_plan.plan(rows, args.budget, gpus, tools.native_bf16() if cuda else True)
+    planned = gpu_plan.plan(rows, args.budget, gpus, tools.native_bf16() if cuda else True,
+                            nccl_shares=nccl_shares_gpus(nccl_version()) if cuda else True)
     if args.dry_run:
         print(gpu_plan.render(planned, args.budget, gpus))
         return 0

@@ -89,7 +89,7 @@ def set_up(args) -> Accelerator:
     """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
-    backend = set_gpu_sharing(args.share_gpus)  # DDP: a GPU each, or shared (--share-gpus)
+    backend = set_gpu_sharing(args.share_gpus, sharded=True)  # FSDP: GPUs shared over NCCL only
     accelerator = Accelerator(  # ALL: where several processes make their process group
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo

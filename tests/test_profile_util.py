@@ -124,6 +124,15 @@ def test_utilisation_is_sampled_beside_training_and_averaged_per_gpu(monkeypatch
     assert line.endswith(" gpu_util_pct=30.00,90.00")
 
 
+def test_an_epoch_shorter_than_a_sample_still_reads_its_utilisation():
+    """A short epoch on a fast GPU ended before the thread's next sample (an H200 run logged
+    gpu_util_absent="no NVML sample yet"): NVML is then read once as the window closes."""
+    busy = GpuBusy([torch.device("cuda", 0)], read=lambda device: 40)
+    time.sleep(0.1)  # the thread's first sample is taken; the next is utilisation.SAMPLE_SECONDS away
+    busy.restart()
+    assert utilisation_figures(busy) == {"gpu_util_pct": [40.0]}
+
+
 def test_without_nvml_the_field_says_why():
     def read(device):
         raise ModuleNotFoundError("No module named 'pynvml'")
