@@ -339,11 +339,16 @@ class Processes:
                 if rank not in self.ended and proc.poll() is not None:
                     self.ended[rank] = (proc.returncode, time.monotonic())
             if time.monotonic() > deadline:
-                for proc in self.procs:
-                    proc.kill()
+                self.kill()
                 raise AssertionError(f"still running after {timeout} s: {self.output()}")
             time.sleep(0.02)
         return [self.ended[rank][0] for rank in range(len(self.procs))]
+
+    def kill(self) -> None:
+        """SIGKILL to the processes still running (a test that stops waiting for them)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
 
     def spread(self) -> float:
         """Seconds between the first process's end and the last's."""

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import ROOT, run, two_processes, weights
+from helpers import ROOT, assert_same_weights, run, two_processes, weights
 from safetensors import safe_open
 
 from common.models import build_model
@@ -80,8 +80,7 @@ def test_a_two_process_resume_is_bit_for_bit(tmp_path):
                   cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(whole / "probe")})
     two_processes(probe, script, *FLAGS, "--resume", whole / "checkpoints" / "step_00000002", "--output-dir",
                   resumed, cwd=tmp_path, env_extra={"EMA_PROBE_DIR": str(resumed / "probe")})
-    a, b = weights(whole), weights(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(whole, resumed)
     copies = {(out.name, rank): torch.load(out / "probe" / f"rank{rank}.pt") for out in (whole, resumed)
               for rank in (0, 1)}
     reference = copies["whole", 0]

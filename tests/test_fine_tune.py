@@ -22,7 +22,7 @@ import timm
 import torch
 import torchvision
 from accelerate import Accelerator
-from helpers import ROOT, image_folder, run, weights
+from helpers import ROOT, assert_same_weights, image_folder, run, weights
 from probe_counts import per_class, predictions, printed_per_class
 from safetensors.torch import load_file, save_file
 from torchvision.io import decode_image
@@ -195,8 +195,7 @@ def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, t
     assert "resumed from" in done.stdout and "step 6" in done.stdout
     assert f"weights of --pretrained-path not read ({file} is gone): the checkpoint resumed holds the trained " \
            f"ones" in done.stdout
-    ours, theirs = weights(out), weights(tuned[0])
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert_same_weights(out, tuned[0])
 
 
 # ------------------------------------------------------------------- the weights' interpolation

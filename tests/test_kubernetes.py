@@ -374,9 +374,7 @@ def reference(workspace):
         return job.folder
 
     yield ended
-    for process in processes.procs:  # a test that failed before the reference ended
-        if process.poll() is None:
-            process.kill()
+    processes.kill()  # a test that failed before the reference ended
 
 
 @pytest.fixture(scope="module")

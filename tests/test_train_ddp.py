@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import set_seed
-from helpers import ROOT, execute, run, two_processes, user_env, weights
+from helpers import ROOT, assert_same_weights, execute, run, two_processes, user_env, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
@@ -226,8 +226,7 @@ def test_accumulation_resumes_bit_for_bit(accumulated, tmp_path):
     done = _run_frozen((sys.executable,), "train_single.py", out, "--grad-accum", "2", "--checkpoint-every", "2",
                        "--keep-checkpoints", "5", *UNTRACKED, "--resume")
     assert "resumed from" in done.stdout and "step 2" in done.stdout  # in the middle of the epoch
-    ours, theirs = weights(out), weights(accumulated[0])
-    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert_same_weights(out, accumulated[0])
 
 
 def test_accumulation_in_ddp_agrees_and_all_reduces_once_per_step(one_process, tmp_path):

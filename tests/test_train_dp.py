@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import DATA, ROOT, TINY, run, weights
+from helpers import DATA, ROOT, TINY, assert_same_weights, run, weights
 from probe_counts import learnt, per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
@@ -92,10 +92,7 @@ def test_evaluate_reproduces_the_accuracy_of_a_dp_run(learnt_dp_run):
 def test_cpu_gives_the_weights_of_train_single_bitwise(dp_run, tmp_path):
     out, _ = dp_run
     run("train_single.py", *FLAGS, "--output-dir", tmp_path / "single")
-    ours, theirs = weights(out), weights(tmp_path / "single")
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+    assert_same_weights(out, tmp_path / "single")
 
 
 def test_resume_mid_epoch_equals_uninterrupted_bitwise(dp_run, tmp_path):
@@ -104,9 +101,7 @@ def test_resume_mid_epoch_equals_uninterrupted_bitwise(dp_run, tmp_path):
     run("train_dp.py", *FLAGS, "--max-steps", 1, "--output-dir", out)
     resumed = run("train_dp.py", *FLAGS, "--output-dir", out, "--resume")
     assert "resumed from" in resumed.stdout and "step 1" in resumed.stdout
-    ours, theirs = weights(out), weights(reference)
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+    assert_same_weights(out, reference)
 
 
 def test_loss_in_replicas_gives_the_same_weights_over_two_replicas(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, run, two_processes, weights
+from helpers import ROOT, assert_same_weights, run, two_processes, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from safetensors import safe_open
@@ -133,8 +133,7 @@ def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
     (out / "model.safetensors").unlink()
     done = launch("train_fsdp.py", out, resume=True)
     assert f"resumed from {step2} at epoch 1, step 2" in done.stdout  # in the middle of the epoch
-    ours, theirs = weights(out), weights(runs["fsdp"][0])
-    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert_same_weights(out, runs["fsdp"][0])
     # The digests cover the shards' index too: a damaged .metadata is found before it is loaded.
     metadata = step2 / "optimizer_0" / ".metadata"
     data = bytearray(metadata.read_bytes())

@@ -6,7 +6,7 @@ import shutil
 
 import torch
 from accelerate.utils import set_seed
-from helpers import DATA, ROOT, TINY, run, wandb_runs, weights
+from helpers import DATA, ROOT, TINY, assert_same_weights, run, wandb_runs, weights
 from safetensors.torch import load_file
 from wandb_records import offline_run
 
@@ -64,10 +64,7 @@ def test_resume_mid_epoch_equals_uninterrupted_bitwise(full_run, tmp_path):
     resumed = run("train_single.py", *TINY, "--output-dir", out, "--resume")
     assert "resumed from" in resumed.stdout and "step 23" in resumed.stdout
 
-    ours, theirs = weights(out), weights(reference)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+    assert_same_weights(out, reference)
     # metrics.jsonl holds one line per finished epoch, as the uninterrupted run does.
     epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [1, 2, 3]
