@@ -26,9 +26,13 @@ def pytest_runtest_setup(item):
 
 
 # What ended a failed launch, in the order looked for below its message's first line: a script's
-# one line, a signal the launcher names (a crash), an exception with its text.
-CAUSES = [re.compile(r"^error: .*"), re.compile(r"Signal \d+ \(\w+\).*"),
-          re.compile(r"^[\w.]*(?:Error|Exception): .+")]
+# one line, a signal the launcher names (a crash), an exception with its text, a worker's as torch
+# prints it once its process group exists ("[rank1]: RuntimeError: ..."), not the launcher's own
+# report that a worker failed (ChildFailedError, CalledProcessError).
+RANK = r"^(?:\[rank\d+\]:\s*)?"
+CAUSES = [re.compile(RANK + r"(error: .*)"), re.compile(r"(Signal \d+ \(\w+\).*)"),
+          re.compile(RANK + r"((?![\w.]*(?:ChildFailedError|CalledProcessError))"
+                            r"[\w.]*(?:Error|Exception): .+)")]
 
 
 def _message(report) -> str:
@@ -40,7 +44,7 @@ def _message(report) -> str:
     text = crash.message if crash is not None else str(report.longrepr or "")
     first, *rest = [line.strip() for line in text.strip().splitlines()] or [""]
     cause = next((found[-1] for pattern in CAUSES
-                  if (found := [m.group(0) for line in rest if (m := pattern.search(line))])), None)
+                  if (found := [m.group(1) for line in rest if (m := pattern.search(line))])), None)
     return (first if cause is None else f"{first} ... {cause}")[:500]
 
 

@@ -83,16 +83,18 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
                         f"GPUs: pass --num_processes {gpus} (per node) to accelerate launch, or "
                         f"use a config for {gpus} GPUs (to rehearse this launch here, several "
                         f"processes a GPU: add --share-gpus)")
-    if share == "nccl" and not nccl_shares_gpus(nccl):
-        raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
-                        f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
-    nccl_chosen = share == "nccl" or share == "auto" and nccl_shares_gpus(nccl)
+    nccl_chosen = share in ("auto", "nccl") and nccl_shares_gpus(nccl)
     if sharded and not nccl_chosen:
         instead = ("use --share-gpus nccl" if nccl_shares_gpus(nccl) else
                    f"this torch's NCCL ({_version(nccl)}) cannot share a GPU: use a torch whose "
-                   f"NCCL is 2.30 or newer, or --num_processes {gpus} (a process per GPU)")
-        raise UserError(f"--share-gpus: FSDP2's processes cannot share a GPU over gloo (its "
-                        f"collectives on sharded CUDA tensors crash, pytorch#132471); {instead}")
+                   f"NCCL is 2.30 or newer, pass --num_processes {gpus} (per node) to accelerate "
+                   f"launch, or rehearse the launch with train_ddp.py --share-gpus")
+        raise UserError(f"--share-gpus: FSDP2's processes share a GPU over NCCL only (over gloo "
+                        f"its collectives on sharded CUDA tensors crash, pytorch#132471); "
+                        f"{instead}")
+    if share == "nccl" and not nccl_chosen:
+        raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
+                        f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
     return GpuSharing(per_gpu, "nccl" if nccl_chosen else "gloo")
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench import gpu_plan, tools
-from bench.gpu_report import LARGE_MODEL, LARGE_SIZE, build_report, write_report
+from bench.gpu_report import LARGE_MODEL, LARGE_SIZE, build_report, verdict, write_report
 from common.cli import Parser
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
@@ -406,8 +406,8 @@ def main(args) -> int:
     print("\n" + (folder / "gpu-check.md").read_text())
     missed = [t["target"] for t in report["targets"] if t["met"] is False]
     complete = report["passed"] and not report["unfinished"]
-    print(f"gpu-check: {'PASS' if complete else 'FAIL' if not report['passed'] else 'INCOMPLETE'}"
-          f"; targets missed: {len(missed)}; wrote gpu-check.json and gpu-check.md to {folder}; "
+    print(f"gpu-check: {verdict(report)}; targets missed: {len(missed)}; wrote gpu-check.json and "
+          f"gpu-check.md to {folder}; "
           f"keep it as docs/gpu/{report['slug']}.md", flush=True)
     return 0 if complete else 1
 

@@ -15,7 +15,8 @@ each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
   optimizer_0/), --resume reads them back;
 - a refusal where it would not shard: without GPUs Accelerate drops the plugin without a word and
   runs DDP (and `accelerate launch --cpu --use_fsdp` is refused), so this script says so in one
-  line instead. --sync-bn is refused too (train_ddp.py's);
+  line instead. --sync-bn is refused too (train_ddp.py's), and --share-gpus over gloo on GPUs
+  (processes sharing a GPU over NCCL only: over gloo FSDP2's CUDA collectives crashed);
 - the optimizer built from the plain model and prepared with it in one call (Accelerate swaps its
   parameters for the shards); the same seed on every process before the model is built, since
   FSDP2 does not broadcast rank 0's initial weights (train_ddp.py seeds the same way);

@@ -42,13 +42,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from accelerate.utils import set_seed
 from helpers import DATA, ROOT, TINY, bad_ends, image_folder, run, weights
 
-from bench import gpu_plan, gpu_report
+from bench import gpu_plan, gpu_pytest, gpu_report
 from common import launch as launch_module
 from common.data.device import on_device, tensor_loader
 from common.data.synthetic import make_synthetic
@@ -85,7 +86,8 @@ COMPILE_TOL = 1e-2  # of how far eager moved each tensor from the initial weight
 EVAL_IMAGES_LOOSE = 3
 CPU_TESTS = {"test_gpu_tests_carry_the_marker", "test_without_cuda_make_gpu_check_says_so_in_one_line",
              "test_the_report_renders_fabricated_results", "test_the_plan_fits_its_budget_and_names_real_checks",
-             "test_a_check_cut_short_still_leaves_its_report", "test_the_gpu_wheels_are_pinned_once"}
+             "test_a_check_cut_short_still_leaves_its_report", "test_a_failed_launch_names_its_cause",
+             "test_the_gpu_wheels_are_pinned_once"}
 
 
 def gpu(count: int = 1):
@@ -400,7 +402,7 @@ def test_more_processes_than_gpus_is_refused_without_share_gpus(record, tmp_path
         status, lines = refused("--share-gpus", script="train_fsdp.py")
         record(fsdp_over_gloo_exit_status=status, fsdp_over_gloo_error_lines=lines)
         assert status != 0 and len(lines) == 1 and lines[0].startswith(
-            "error: --share-gpus: FSDP2's processes cannot share a GPU over gloo")
+            "error: --share-gpus: FSDP2's processes share a GPU over NCCL only")
     assert not (tmp_path / "run").exists()
 
 
@@ -680,7 +682,8 @@ def test_the_report_renders_fabricated_results(tmp_path):
 
 
 # What the issue of the one-GPU check asks to prove first, each a row that the default plan runs by the
-# estimates the H200's check of 2026-11-28 corrected (the last two fit where FSDP2's rows cannot run).
+# estimates the H200's check of 2026-11-28 corrected (the 11th fits where FSDP2's rows cannot run, the 12th with
+# --budget to spare).
 FIRST_ROWS = ["test_all_gpus_match_one_gpu[train_ddp.py]", "test_all_gpus_match_one_gpu[train_fsdp.py]",
               "test_more_processes_than_gpus_is_refused_without_share_gpus",
               "test_a_failure_in_one_process_ends_every_process",
@@ -701,7 +704,7 @@ def test_the_plan_fits_its_budget_and_names_real_checks(tmp_path):
     venv, before = Path(sys.prefix), sorted((ROOT / "runs").glob("gpu-check-*"))
     done = subprocess.run(["make", "-C", str(ROOT), "-o", f"{venv}/bin/.installed", f"VENV={venv}", "gpu-check",
                            "ARGS=--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # as on a CPU
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if not line.startswith("make")]  # -C: its own lines
     assert lines[0].startswith("gpu-check plan for 1 GPU(s), budget 540 s (2 processes share the GPU")
@@ -729,7 +732,8 @@ def test_the_plan_fits_its_budget_and_names_real_checks(tmp_path):
     assert [p.why_not for p in gpu_plan.plan(gpu_plan.PLAN, 540, 1, False)][6] == \
         "needs native bf16 (compute capability 8.0 and newer)"
     old_nccl = gpu_plan.plan(gpu_plan.PLAN, 540, 1, True, nccl_shares=False)
-    assert [p.row.name for p in old_nccl if p.why_not is None] == [name for name in FIRST_ROWS[:11] if "fsdp" not in name]
+    assert [p.row.name for p in old_nccl if p.why_not is None] == [name for name in FIRST_ROWS[:11]
+                                                                   if "fsdp" not in name]
     assert {p.row.name for p in old_nccl if p.why_not and "FSDP2's processes share a GPU over NCCL" in p.why_not} == {
         p.row.name for p in old_nccl if p.row.fsdp} and len([p for p in old_nccl if p.row.fsdp]) == 4
 
@@ -770,6 +774,26 @@ def ended(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
+
+
+def test_a_failed_launch_names_its_cause():
+    """A failed check's message in the report: its first line, and what ended the launch below it (the script's
+    error line, the signal that killed a worker, a worker's exception as torch prints it under a process group),
+    never the launcher's own report that a worker failed."""
+    def message(text):
+        return gpu_pytest._message(SimpleNamespace(skipped=False, longrepr=SimpleNamespace(
+            reprcrash=SimpleNamespace(message=text))))
+    child_failed = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n  traceback : To enable "
+                    "traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+    assert message(f"train_ddp.py failed (1):\n[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n"
+                   f"[rank1]: RuntimeError: CUDA error: out of memory\n{child_failed}") == \
+        "train_ddp.py failed (1): ... RuntimeError: CUDA error: out of memory"
+    assert message("train_single.py failed (1):\nValueError: bad\nsubprocess.CalledProcessError: Command '[...]' "
+                   "returned non-zero exit status 1.") == "train_single.py failed (1): ... ValueError: bad"
+    assert message("train_ddp.py failed (1):\n[rank0]: error: --batch-size 63 does not divide by 2 processes: use 62 "
+                   f"or 64\nValueError: x\n{child_failed}") == \
+        "train_ddp.py failed (1): ... error: --batch-size 63 does not divide by 2 processes: use 62 or 64"
+    assert message("assert 1 == 2") == "assert 1 == 2"
 
 
 def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):

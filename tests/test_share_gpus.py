@@ -85,20 +85,23 @@ def test_nccl_asked_where_it_cannot_share_is_refused(given, message):
     assert error.value.message == message
 
 
-FSDP_OVER_GLOO = "--share-gpus: FSDP2's processes cannot share a GPU over gloo (its collectives on sharded CUDA " \
-                 "tensors crash, pytorch#132471); "
+FSDP_OVER_GLOO = "--share-gpus: FSDP2's processes share a GPU over NCCL only (over gloo its collectives on sharded " \
+                 "CUDA tensors crash, pytorch#132471); "
+OLD_NCCL_ADVICE = ("this torch's NCCL (2.28.9) cannot share a GPU: use a torch whose NCCL is 2.30 or newer, pass "
+                   "--num_processes 1 (per node) to accelerate launch, or rehearse the launch with train_ddp.py "
+                   "--share-gpus")
 
 
 def test_fsdp2_shares_a_gpu_over_nccl_only(monkeypatch):
     """Over gloo FSDP2's two processes sharing an H200 both died of SIGSEGV (torch 2.11, docs/gpu/nvidia-h200.md):
     refused in one line before any process group, with what to do; over NCCL, on a CPU and a GPU each it runs."""
-    for given, instead in [(("auto", 2, 1, OLD), "this torch's NCCL (2.28.9) cannot share a GPU: use a torch whose "
-                                                 "NCCL is 2.30 or newer, or --num_processes 1 (a process per GPU)"),
+    for given, instead in [(("auto", 2, 1, OLD), OLD_NCCL_ADVICE), (("nccl", 2, 1, OLD), OLD_NCCL_ADVICE),
                            (("gloo", 8, 4, NEW), "use --share-gpus nccl")]:
         with pytest.raises(UserError) as error:
             launch.plan_gpu_sharing(*given, sharded=True)
         assert error.value.message == FSDP_OVER_GLOO + instead
     assert launch.plan_gpu_sharing("auto", 2, 1, NEW, sharded=True) == launch.GpuSharing(2, "nccl")
+    assert launch.plan_gpu_sharing("nccl", 8, 4, NEW, sharded=True) == launch.GpuSharing(2, "nccl")
     assert launch.plan_gpu_sharing("auto", 2, 0, None, sharded=True) == launch.GpuSharing(0, "gloo")
     assert launch.plan_gpu_sharing(None, 4, 4, OLD, sharded=True) == launch.GpuSharing(1)
     on_node(monkeypatch, 2, 1, nccl=OLD)  # what train_fsdp.py calls: the refusal, as the other launch refusals
