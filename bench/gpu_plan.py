@@ -91,8 +91,7 @@ PLAN = [
     check(f"{LEARNS}[train_ddp-all-compile]", "--compile (default mode) under DDP learns", 75,
           extra=True),
     check(f"{LEARNS}[train_fsdp-all-ema]", "FSDP2 with --ema-decay learns; evaluate.py "
-          "reproduces the average's accuracy", 10, extra=True,
-          fsdp=True),
+          "reproduces the average's accuracy", 10, extra=True, fsdp=True),
     check(f"{RESUMES}[train_ddp-all-sync-bn]", "DDP --sync-bn: stop + --resume bit for bit", 45,
           extra=True),
     check(f"{RESUMES}[train_amp-all-bf16-sync-bn]", "AMP bf16 under DDP: stop + --resume bit "

@@ -407,8 +407,7 @@ def main(args) -> int:
     missed = [t["target"] for t in report["targets"] if t["met"] is False]
     complete = report["passed"] and not report["unfinished"]
     print(f"gpu-check: {verdict(report)}; targets missed: {len(missed)}; wrote gpu-check.json and "
-          f"gpu-check.md to {folder}; "
-          f"keep it as docs/gpu/{report['slug']}.md", flush=True)
+          f"gpu-check.md to {folder}; keep it as docs/gpu/{report['slug']}.md", flush=True)
     return 0 if complete else 1
 
 
