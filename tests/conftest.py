@@ -1,5 +1,6 @@
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # `make test` runs the suite on 3 pytest-xdist workers (2 cores): much of a test's time is a process
@@ -105,22 +106,34 @@ def launcher_of(command) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A test outside the lists above that starts a launcher (in its setup too) fails, saying where
-    it belongs."""
-    start = subprocess.Popen.__init__
+    """A test outside the lists above that starts a launcher (in its setup too), cold or forked from
+    the zygote (helpers.execute), fails, saying where it belongs."""
+    zygote = getattr(sys.modules.get("helpers"), "Zygote", None)
+    popen, fork = subprocess.Popen.__init__, zygote and zygote.start
 
-    def guarded(self, args, *rest, **kwargs):
+    def check(args) -> None:
         launcher = launcher_of(args)
         if launcher and not may_launch(item.nodeid):
             raise AssertionError(f"{item.nodeid} starts {launcher}: add it to LAUNCHING_TESTS (or, on ports of "
                                  f"its own only, OWN_PORTS) in tests/conftest.py")
-        start(self, args, *rest, **kwargs)
 
-    subprocess.Popen.__init__ = guarded
+    def guarded_popen(self, args, *rest, **kwargs):
+        check(args)
+        popen(self, args, *rest, **kwargs)
+
+    def guarded_fork(self, command, *rest, **kwargs):
+        check(command)
+        return fork(self, command, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded_popen
+    if zygote:
+        zygote.start = guarded_fork
     try:
         return (yield)
     finally:
-        subprocess.Popen.__init__ = start
+        subprocess.Popen.__init__ = popen
+        if zygote:
+            zygote.start = fork
 
 
 def pytest_collection_modifyitems(items):

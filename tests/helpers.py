@@ -48,11 +48,18 @@ def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), che
     return done
 
 
+# Console scripts execute forks from the zygote too, saving their ~5 s of imports: the launchers (the
+# processes they start start cold, as a user's do) and pytest (a test that collects tests).
+CONSOLE_SCRIPTS = {str(BIN / name) for name in ("accelerate", "torchrun", "pytest")}
+
+
 def execute(command, cwd, env, timeout) -> subprocess.CompletedProcess:
-    """subprocess.run(command) with its output captured, stdin closed; ``python script.py ...`` forked
-    from the warm Zygote instead of started cold."""
+    """subprocess.run(command) with its output captured, stdin closed; ``python script.py ...`` and the
+    CONSOLE_SCRIPTS (``accelerate launch ...``, ``torchrun ...``) forked from the warm Zygote instead of
+    started cold."""
     command = [str(part) for part in command]
-    if len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py") and Zygote.can_run(env):
+    script = len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py")
+    if (script or command[0] in CONSOLE_SCRIPTS) and Zygote.can_run(env):
         return Zygote.run(command, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
@@ -122,7 +129,8 @@ class Zygote:
 
     def start(self, command, cwd, env, out: Path, err: Path) -> int:
         """Fork a child to run ``command``, its output to the files ``out`` and ``err``; its pid."""
-        request = {"argv": command[1:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        argv = command[1:] if command[0] == sys.executable else command  # python X.py, or a console script
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
         return self.answer(None)["pid"]

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import DATA, ROOT, TINY, bad_ends, image_folder, run, weights
+from helpers import BIN, DATA, ROOT, TINY, bad_ends, execute, image_folder, run, user_env, weights
 
 from bench import gpu_plan, gpu_pytest, gpu_report
 from common import launch as launch_module
@@ -716,8 +716,8 @@ def test_the_plan_fits_its_budget_and_names_real_checks(tmp_path):
     assert re.search(r"^10 of \d+ rows run, ending at about (\d+) s of the 540 s budget\.$", lines[-1])
     assert {name for _, ends, name in rows if ends == "-"} == {r.name for r in gpu_plan.PLAN} - set(runs)
     assert not list(tmp_path.iterdir()) and sorted((ROOT / "runs").glob("gpu-check-*")) == before
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                gpu_plan.CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    collected = execute([BIN / "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", gpu_plan.CHECKS], cwd=ROOT,
+                        env=user_env(), timeout=120)
     tests = {line.split("::", 1)[1] for line in collected.stdout.splitlines() if "::" in line}
     assert {r.name for r in gpu_plan.PLAN if r.kind == "check"} <= tests
     benchmark = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
