@@ -171,21 +171,24 @@ class Zygote:
 
 
 class Forked:
-    """``python script.py ...`` forked from a zygote and returned at once, for a test that signals the
-    run by its pid while it trains: what the tests use of a Popen (pid, poll, wait, send_signal,
+    """``python script.py ...`` or a launcher (CONSOLE_SCRIPTS) forked from a zygote and returned at
+    once, for a test that signals the run or the launcher's workers by pid while it trains: what the tests use of a Popen (pid, poll, wait, send_signal,
     kill, communicate), the output read back from files once the run has ended (``out`` and ``err``,
     or files of its own). Not for a test that reads what the interpreter's shutdown or the run's
     orphaned children print (a forked run ends with os._exit after its atexit functions), nor for a
     signal to a process group. A zygote is kept for each set of import-time variables: ``env`` has
     the user's unless a test starts many runs with the same others (Processes)."""
 
-    def __init__(self, command, cwd, env: dict, out: Path | None = None, err: Path | None = None):
+    def __init__(self, command, cwd, env: dict, out: Path | None = None, err: Path | None = None,
+                 merged: bool = False):
+        """``merged``: stderr into stdout, as Popen's stderr=STDOUT (communicate gives (output, None))."""
         self.args = [str(part) for part in command]
-        assert self.args[0] == sys.executable and self.args[1].endswith(".py"), self.args
+        assert self.args[0] in CONSOLE_SCRIPTS or (self.args[0] == sys.executable and self.args[1].endswith(".py")), \
+            self.args
         self.returncode = None
         self._folder = tempfile.TemporaryDirectory()
         self._out = out or Path(self._folder.name) / "stdout"
-        self._err = err or Path(self._folder.name) / "stderr"
+        self._err = self._out if merged else err or Path(self._folder.name) / "stderr"
         self._zygote = Zygote.take(env)
         try:
             self.pid = self._zygote.start(self.args, cwd, env, self._out, self._err)
@@ -219,7 +222,7 @@ class Forked:
     def communicate(self, timeout=None) -> tuple[str, str]:
         """Wait for the end; (stdout, stderr)."""
         self.wait(timeout)
-        output = read(self._out), read(self._err)
+        output = read(self._out), None if self._err == self._out else read(self._err)
         self._folder.cleanup()
         return output
 

@@ -34,7 +34,7 @@ STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state i
 
 
 def env(tmp_path):
-    return {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
+    return user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache"))
 
 
 def accelerate(*launch_args, script="train_ddp.py"):
@@ -112,8 +112,7 @@ def single_reference(tmp_path_factory):
 def test_without_restarts_a_killed_worker_ends_the_job(tmp_path):
     """Negative control: the kill is real, and the job fails fast, naming the rank, instead of hanging."""
     out = tmp_path / "run"
-    process = subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = Forked([*accelerate(), "--output-dir", out], ROOT, env(tmp_path), merged=True)  # the launcher warm
     pid = kill_worker_after(process, out / "checkpoints" / "step_00000004", local_rank="1")
     start = time.time()
     output = process.communicate(timeout=120)[0]
@@ -182,8 +181,7 @@ def ddp_interrupted(tmp_path_factory):
     with --max-steps 13, which stops inside epoch 2; --resume again, by hand, to the end."""
     tmp_path = tmp_path_factory.mktemp("ddp-interrupted")
     out = tmp_path / "run"
-    stop = sigterm_after_step_4(subprocess.Popen([*accelerate(), "--output-dir", str(out)], cwd=ROOT, env=env(tmp_path),
-                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+    stop = sigterm_after_step_4(Forked([*accelerate(), "--output-dir", out], ROOT, env(tmp_path), merged=True), out)
     # The resumes, by hand: 2 processes started as torchrun starts them, forked warm
     resumed = two_processes("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", "--max-steps", "13",
                             cwd=tmp_path)
@@ -311,7 +309,7 @@ def test_a_stalled_worker_fails_the_job_after_the_dist_timeout(tmp_path):
     cmd = [*accelerate(), "--dist-timeout", "10", "--output-dir", str(tmp_path / "run")]
     cmd.insert(cmd.index(str(ROOT / "scripts" / "train_ddp.py")), str(ROOT / "tests" / "stall_rank.py"))
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = execute(cmd, cwd=ROOT, env=env(tmp_path), timeout=300)
     elapsed = time.perf_counter() - start
     assert done.returncode != 0
     # one line, from rank 0, with gloo's own words and the wait that --dist-timeout set; rank 1, still
@@ -346,8 +344,7 @@ def test_the_launcher_passes_sigusr1_on_only_through_pet_signals_to_handle(varia
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
            "--num_processes", "2", str(tmp_path / "listener.py"), str(tmp_path)]
     environment = {**env(tmp_path), variable: "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
-    process = subprocess.Popen(cmd, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = Forked(cmd, tmp_path, environment, merged=True)
     deadline = time.time() + 60
     while not all((tmp_path / f"ready-{rank}").exists() for rank in "01"):
         assert process.poll() is None and time.time() < deadline, process.communicate()[0]

@@ -8,7 +8,6 @@ for bit, so a run that falls back to an older checkpoint must end with exactly i
 """
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -438,11 +437,11 @@ def test_a_full_disk_for_config_and_metrics(tmp_path):
 RESTARTABLE = (*DDP, "--max_restarts", "1", "--rdzv_backend", "c10d")  # as `make ddp`
 
 
-def launch(command, tmp_path, *args) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache"),
-           "PET_STANDALONE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.Popen([*command, str(ROOT / "scripts" / "train_ddp.py"), *FLAGS, *map(str, args)],
-                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def launch(command, tmp_path, *args) -> Forked:
+    """The launcher forked warm (one zygote for these launches' variables), its workers started cold."""
+    env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache"), PET_STANDALONE="1",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return Forked([*command, ROOT / "scripts" / "train_ddp.py", *FLAGS, *args], tmp_path, env)
 
 
 @pytest.fixture(scope="module")

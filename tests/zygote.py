@@ -1,4 +1,5 @@
-"""A warm start for the scripts' plain `python scripts/X.py` runs in the tests.
+"""A warm start for the scripts' plain `python scripts/X.py` runs in the tests, and for the console
+scripts that start them (`accelerate launch`, `torchrun`: the processes they start start cold).
 
 Every script spends about 7 of its first 8 seconds on 2 CPU cores importing torch, torchvision and
 accelerate, which is most of what a test of a bad flag or a short run costs. This process imports
@@ -14,11 +15,11 @@ environment as a fresh process would. What a fork cannot give a child is its own
 seed (drawn once, by the zygote), so set and dict orders that hang on it repeat from run to run;
 the scripts' random numbers do not (common.data.crops.sample_seed hashes ints, which is not salted).
 What python, torch and accelerate read while starting (PYTHON*, TORCH_LOGS, OMP_NUM_THREADS,
-TMPDIR ...) is the zygote's: helpers.execute starts a run that sets those differently cold, as it
-does runs under a launcher (torchrun, accelerate launch).
+TMPDIR ...) is the zygote's: helpers.execute starts a run that sets those differently cold.
 
-Protocol: one JSON request a line on stdin ({argv, env, cwd, stdout, stderr}); for each, a line
-{"pid": N} when the child starts and a line {"returncode": N} when it ends, as subprocess reports it.
+Protocol: one JSON request a line on stdin ({argv, env, cwd, stdout, stderr}; stderr the same file as
+stdout merges the two); for each, a line {"pid": N} when the child starts and a line
+{"returncode": N} when it ends, as subprocess reports it.
 """
 
 import atexit
@@ -43,6 +44,9 @@ def run_script(request: dict) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         for fd, path in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
+            if fd == 2 and path == request["stdout"]:  # stderr into stdout, as Popen's stderr=STDOUT
+                os.dup2(1, 2)
+                continue
             opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(opened, fd)
             os.close(opened)
