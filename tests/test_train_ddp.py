@@ -2,7 +2,6 @@
 users do (accelerate launch, torchrun, two nodes), the others started as torchrun starts its processes."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import set_seed
-from helpers import ROOT, assert_same_weights, execute, run, two_processes, user_env, weights
+from helpers import ROOT, Forked, assert_same_weights, execute, run, two_processes, user_env, weights
 from probe_counts import per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
@@ -136,12 +135,11 @@ def test_two_nodes_on_loopback_match_one_process(one_process, tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "run"
     config = str(ROOT / "accelerate_configs" / "2nodes_4gpu.yaml")
-    env = {**os.environ, "WANDB_MODE": "offline", "CIFAR_CACHE_DIR": str(tmp_path / ".cache")}
-    nodes = [subprocess.Popen(
-        [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "2",
-         "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-         FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, *UNTRACKED, "--output-dir", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache"))
+    nodes = [Forked(  # the launchers warm, from a zygote each
+        [BIN / "accelerate", "launch", "--config_file", config, "--num_processes", "2", "--machine_rank", rank,
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port, FROZEN_BN, ROOT / "scripts" / "train_ddp.py",
+         *AGREE, *UNTRACKED, "--output-dir", out], ROOT, env, merged=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     assert "on 2 x cpu" in outputs[0]
