@@ -385,6 +385,10 @@ def add_speedups(rows: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------------- checks
 
+def counted(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def check(name, value, passed, measured, target, note="", other_work=None):
     return {"check": name, "value": value, "passed": passed, "measured": measured, "target": target,
             "note": note, "other_work": other_work}
@@ -414,7 +418,8 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
             "overhead: train_single / plain PyTorch loop", ratio, ratio >= 0.97,
             f"{ratio:.3f}x ({statistics.median(launches):.1f} vs "
             f"{statistics.median(neighbours):.1f} img/s; {args.model}, batch {batch}; "
-            f"{len(ratios)} launches: {min(ratios):.3f}x to {max(ratios):.3f}x)", ">= 0.97x",
+            f"{counted(len(ratios), 'launch', 'launches')}: "
+            f"{min(ratios):.3f}x to {max(ratios):.3f}x)", ">= 0.97x",
             f"each of train_single's {len(launches)} launches against the plain-loop rounds just "
             f"before and after it, by median step times ({len(script_steps)} and "
             f"{len(plain_steps)} steps), the loop in channels_last as train_single runs by "
@@ -656,7 +661,8 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
                                 flags=(*base, *finetune.flags(name, weights)), data=data)
                  for name in names})
     batch = args.global_batch_size or args.per_device_batch_size
-    print(f"finetune: {label}, batch {batch}, {args.repeats} rounds of {len(names)} launches "
+    print(f"finetune: {label}, batch {batch}, {counted(args.repeats, 'round', 'rounds')} of "
+          f"{counted(len(names), 'launch', 'launches')} "
           f"({' '.join(names)}), each round between two launches without the flags ...",
           flush=True)
     runs, other_work = {name: [] for name in rows}, tools.OtherWork()
@@ -676,7 +682,8 @@ def finetune_checks(args, steps, gpus, workdir: Path) -> list[dict]:
             f"{finetune.LOG_EVERY} steps); each flag's launch against the mean of the launches "
             f"without flags before and after its round, which took {min(base_ms):.1f} to "
             f"{max(base_ms):.1f} ms a step ({len(base_ms)} launches); the medians over "
-            f"{args.repeats} rounds, the flags' order reversed every other round")
+            f"{counted(args.repeats, 'round', 'rounds')}, the flags' order reversed every other "
+            f"round")
     for name in names:
         cost = finetune.summarise(runs["base"], runs[name])
         shown = " ".join(finetune.flags(name, Path("FILE")))

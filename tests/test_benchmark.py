@@ -29,9 +29,13 @@ from PIL import Image
 # keep a tracker's log step (step 5, --log-every 5) among the finetune check's measured ones: it is
 # written after its optimizer step, inside the interval that ends with step 6. FILES: 4 batches an
 # epoch in the loader check's epochs. One `make bench` for every check: a launch's time is mostly its
-# imports (the finetune check's 7 launches and the rows' 4 in one run, 2 launches fewer than apart).
+# imports (the finetune check's 4 launches and the rows' 2 in one run, 2 launches fewer than apart).
+# --repeats 1: each row launched once, the finetune check one round; the medians over several
+# launches and rounds, and the flags' order reversed every other round, are tested without launches
+# (test_the_medians_are_over_launches_and_rounds_and_the_flags_alternate).
 BATCH, STEPS, FILES = 8, 4, 32
-TINY = ["--model", "resnet20", "--per-device-batch-size", BATCH, "--steps", STEPS, "--strategies", "single", "ddp2",
+TINY = ["--model", "resnet20", "--per-device-batch-size", BATCH, "--steps", STEPS, "--repeats", 1,
+        "--strategies", "single", "ddp2",
         "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "finetune",
         "--finetune-flags", "freeze", "tensorboard", "--loader-images", "256", "--loader-files", FILES,
         "--matmul-size", "256", "--sweep-batch-size", BATCH]
@@ -80,9 +84,9 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
     assert all(0.1 < gb < 20 for gb in single["peak_memory_gb"] + ddp2["peak_memory_gb"])
     for row in result["rows"]:
         assert "error" not in row, row.get("error")
-        # Launched twice (--repeats 2) for 2 warm-up + STEPS measured steps, each step timed inside the
+        # Launched once (--repeats 1) for 2 warm-up + STEPS measured steps, each step timed inside the
         # script's own training loop; img/s = global batch / the median measured step.
-        assert [r["steps"] for r in row["runs"]] == [2 + STEPS, 2 + STEPS]
+        assert [r["steps"] for r in row["runs"]] == [2 + STEPS]
         for run in row["runs"]:
             # The 2 warm-up steps are the ones left out: intervals from the end of step 2 on.
             ends = run["step_end"]
@@ -122,16 +126,16 @@ def test_checks_state_each_ratio_against_its_target(report):
     plain = result["plain_loop_img_per_s"]["fp32_channels_last"]
     assert len(plain) == len(single["runs"]) + 1
     assert overhead["train_single_step_seconds"] == [s for run in single["runs"] for s in run["step_seconds"]]
-    assert [len(run["step_seconds"]) for run in single["runs"]] == [STEPS, STEPS]
+    assert [len(run["step_seconds"]) for run in single["runs"]] == [STEPS]
     assert len(overhead["plain_step_seconds"]) == STEPS * len(plain)
     # Each launch against the mean of the plain-loop rounds just before and after it.
-    rounds = [BATCH / statistics.median(overhead["plain_step_seconds"][STEPS * k:STEPS * (k + 1)]) for k in range(3)]
+    rounds = [BATCH / statistics.median(overhead["plain_step_seconds"][STEPS * k:STEPS * (k + 1)]) for k in range(2)]
     assert plain == pytest.approx(rounds)
-    launches = [BATCH / statistics.median(run["step_seconds"]) for run in single["runs"]]
-    ratios = [launches[0] / ((plain[0] + plain[1]) / 2), launches[1] / ((plain[1] + plain[2]) / 2)]
-    assert overhead["value"] == pytest.approx(statistics.median(ratios))
-    assert overhead["launch_ratios"] == pytest.approx(ratios)  # the spread, reported beside the median
-    assert overhead["measured"].endswith(f"2 launches: {min(ratios):.3f}x to {max(ratios):.3f}x)")
+    [launch] = [BATCH / statistics.median(run["step_seconds"]) for run in single["runs"]]
+    ratio = launch / ((plain[0] + plain[1]) / 2)
+    assert overhead["value"] == pytest.approx(ratio)
+    assert overhead["launch_ratios"] == pytest.approx([ratio])  # the spread, reported beside the median
+    assert overhead["measured"].endswith(f"1 launch: {ratio:.3f}x to {ratio:.3f}x)")
     for name, target in {"overhead": 0.97, "data": 5, "loader": 1.5, "precision": 1.8, "compute": 0.85}.items():
         assert checks[name]["passed"] == (checks[name]["value"] >= target) and checks[name]["value"] > 0
     assert checks["data wait"]["passed"] == (checks["data wait"]["value"] < 0.02)
@@ -175,7 +179,7 @@ def test_report_files_are_well_formed(report):
            in markdown
     assert f"| `single`: train_single, fp32 | 1 | {BATCH} |" in markdown
     assert f"| `ddp2`: train_ddp, 2 processes on gloo, fp32 | 2 | {BATCH} |" in markdown
-    assert "Protocol: each row launches its script 2 times, as users launch it" in markdown
+    assert "Protocol: each row launches its script once, as users launch it" in markdown
     assert "## Batch size sweep (`single`)" in markdown and "## Checks" in markdown
     assert markdown.count("PASS") + markdown.count("BELOW") == sum(c["passed"] is not None for c in result["checks"])
     assert "| ema: plain loop with --ema-decay / without |" in markdown
@@ -194,8 +198,8 @@ def test_each_flag_is_measured_against_the_launches_without_it_around_its_round(
                                             "finetune: --report-to tensorboard"]
     for check in checks:
         assert check["target"] == "reported" and check["passed"] is None and 0 <= check["other_work"] <= 1
-        # --repeats 2: two rounds of one launch per flag, three launches without flags around them
-        assert len(check["runs"]) == 2 and len(check["base_runs"]) == 3
+        # --repeats 1: one round of one launch per flag, two launches without flags around it
+        assert len(check["runs"]) == 1 and len(check["base_runs"]) == 2
         for run in check["runs"] + check["base_runs"]:
             # the protocol's launches: 2 warm-up + STEPS measured steps, on the workers path, a log every 5 steps
             assert run["steps"] == 2 + STEPS and len(run["step_seconds"]) == STEPS and run["loader"] == "workers"
@@ -204,7 +208,7 @@ def test_each_flag_is_measured_against_the_launches_without_it_around_its_round(
         # launch with the flag against the mean of the launches without flags before and after its round.
         base = [statistics.fmean(run["step_seconds"]) for run in check["base_runs"]]
         flagged = [statistics.fmean(run["step_seconds"]) for run in check["runs"]]
-        around = [(base[0] + base[1]) / 2, (base[1] + base[2]) / 2]
+        around = [(base[0] + base[1]) / 2]
         ratios = [f / b for f, b in zip(flagged, around)]
         assert check["round_ratios"] == pytest.approx(ratios)
         assert check["value"] == pytest.approx(statistics.median(ratios))
@@ -221,10 +225,46 @@ def test_each_flag_is_measured_against_the_launches_without_it_around_its_round(
         assert run["args"]["freeze"] == "backbone" and run["args"]["pretrained_path"].endswith("weights.safetensors")
     # The protocol's --report-to none comes first: the flag's own value wins.
     assert all(run["args"]["report_to"] == ["tensorboard"] for run in tensorboard["runs"])
-    # Launched in this order: a base launch, the flags, a base launch, the flags reversed, a base launch.
+    # Launched in this order: a base launch, the flags, a base launch.
     base, first, second = freeze["base_runs"], freeze["runs"], tensorboard["runs"]
-    ends = [run["step_end"][-1] for run in (base[0], first[0], second[0], base[1], second[1], first[1], base[2])]
+    ends = [run["step_end"][-1] for run in (base[0], first[0], second[0], base[1])]
     assert ends == sorted(ends)
+
+
+def test_the_medians_are_over_launches_and_rounds_and_the_flags_alternate(monkeypatch, tmp_path):
+    """What `make bench`'s default --repeats 2 adds to the fixture's single launch and round, its
+    launches faked: each train_single launch against the plain-loop rounds around it and the median
+    of those ratios; the finetune check's rounds, the flags' order reversed every other round, each
+    round's flag launch against the base launches around its round."""
+    benchmark = load_script("benchmark")
+    args = benchmark.parse_args(["--model", "resnet20", "--per-device-batch-size", "8", "--repeats", "2"])
+    single = {"runs": [{"step_seconds": [0.1, 0.1]}, {"step_seconds": [0.4, 0.4]}], "img_per_s": 40.0,
+              "data_wait_frac": 0.01, "other_work": 0.0}
+    plain = {"fp32_channels_last": [100.0, 60.0, 20.0]}  # img/s of the rounds before, between, after
+    loops = {"fp32_channels_last": types.SimpleNamespace(step_seconds=[0.1] * 6)}
+    [overhead] = benchmark.run_checks(["overhead"], single, plain, {}, loops, args, 2, torch.device("cpu"))
+    assert overhead["launch_ratios"] == pytest.approx([80 / 80, 20 / 40])  # launch k between rounds k, k + 1
+    assert overhead["value"] == pytest.approx(0.75)
+    assert overhead["measured"].endswith("2 launches: 0.500x to 1.000x)")
+
+    launched = []
+
+    def launch(strategy, *_):
+        launched.append(strategy.name)
+        return {"step_seconds": [0.1 * len(launched)], "data_wait_steady_frac": 0.0}
+
+    monkeypatch.setattr(benchmark, "launch", launch)
+    checks = benchmark.finetune_checks(
+        benchmark.parse_args(["--model", "resnet20", "--per-device-batch-size", "8", "--repeats", "3",
+                              "--finetune-flags", "freeze", "tensorboard"]), 1, 0, tmp_path)
+    assert launched == ["finetune-base", "finetune-freeze", "finetune-tensorboard",
+                        "finetune-base", "finetune-tensorboard", "finetune-freeze",
+                        "finetune-base", "finetune-freeze", "finetune-tensorboard", "finetune-base"]
+    freeze = checks[0]
+    # freeze's launches were the 2nd, 6th and 8th (0.2, 0.6, 0.8 s), the rounds' bases 0.1, 0.4, 0.7, 1.0 s
+    assert freeze["round_ratios"] == pytest.approx([0.2 / 0.25, 0.6 / 0.55, 0.8 / 0.85])
+    assert freeze["value"] == pytest.approx(0.8 / 0.85) and freeze["measured"].startswith("-50.0 ms a step")
+    assert "the medians over 3 rounds, the flags' order reversed every other round" in freeze["note"]
 
 
 def test_finetune_is_not_part_of_all():
