@@ -53,13 +53,18 @@ def run(script, *args, env_extra=None, cwd=ROOT, launcher=(sys.executable,), che
 CONSOLE_SCRIPTS = {str(BIN / name) for name in ("accelerate", "torchrun", "pytest")}
 
 
+def forkable(command: list[str]) -> bool:
+    """Whether the zygote can run ``command``: ``python script.py ...`` or one of CONSOLE_SCRIPTS."""
+    return command[0] in CONSOLE_SCRIPTS or (len(command) > 1 and command[0] == sys.executable
+                                             and command[1].endswith(".py"))
+
+
 def execute(command, cwd, env, timeout) -> subprocess.CompletedProcess:
     """subprocess.run(command) with its output captured, stdin closed; ``python script.py ...`` and the
     CONSOLE_SCRIPTS (``accelerate launch ...``, ``torchrun ...``) forked from the warm Zygote instead of
     started cold."""
     command = [str(part) for part in command]
-    script = len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py")
-    if (script or command[0] in CONSOLE_SCRIPTS) and Zygote.can_run(env):
+    if forkable(command) and Zygote.can_run(env):
         return Zygote.run(command, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
@@ -172,19 +177,19 @@ class Zygote:
 
 class Forked:
     """``python script.py ...`` or a launcher (CONSOLE_SCRIPTS) forked from a zygote and returned at
-    once, for a test that signals the run or the launcher's workers by pid while it trains: what the tests use of a Popen (pid, poll, wait, send_signal,
-    kill, communicate), the output read back from files once the run has ended (``out`` and ``err``,
-    or files of its own). Not for a test that reads what the interpreter's shutdown or the run's
-    orphaned children print (a forked run ends with os._exit after its atexit functions), nor for a
-    signal to a process group. A zygote is kept for each set of import-time variables: ``env`` has
-    the user's unless a test starts many runs with the same others (Processes)."""
+    once, for a test that signals the run or the launcher's workers by pid while it trains: what the
+    tests use of a Popen (pid, poll, wait, send_signal, kill, communicate), the output read back
+    from files once the run has ended (``out`` and ``err``, or files of its own). Not for a test
+    that reads what the interpreter's shutdown or the run's orphaned children print (a forked run
+    ends with os._exit after its atexit functions), nor for a signal to a process group. A zygote
+    is kept for each set of import-time variables: ``env`` has the user's unless a test starts many
+    runs with the same others (Processes)."""
 
     def __init__(self, command, cwd, env: dict, out: Path | None = None, err: Path | None = None,
                  merged: bool = False):
         """``merged``: stderr into stdout, as Popen's stderr=STDOUT (communicate gives (output, None))."""
         self.args = [str(part) for part in command]
-        assert self.args[0] in CONSOLE_SCRIPTS or (self.args[0] == sys.executable and self.args[1].endswith(".py")), \
-            self.args
+        assert forkable(self.args), self.args
         self.returncode = None
         self._folder = tempfile.TemporaryDirectory()
         self._out = out or Path(self._folder.name) / "stdout"

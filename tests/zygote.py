@@ -1,5 +1,6 @@
 """A warm start for the scripts' plain `python scripts/X.py` runs in the tests, and for the console
-scripts that start them (`accelerate launch`, `torchrun`: the processes they start start cold).
+scripts that start them (`accelerate launch`, `torchrun`: the processes they start start cold) or
+collect tests (`pytest`).
 
 Every script spends about 7 of its first 8 seconds on 2 CPU cores importing torch, torchvision and
 accelerate, which is most of what a test of a bad flag or a short run costs. This process imports
