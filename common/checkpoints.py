@@ -9,12 +9,15 @@ load is skipped for the one before it, on every process alike. ``Checkpointer`` 
 cadence: the training loop calls its ``save`` after every step.
 """
 
+import atexit
+import functools
 import json
 import os
 import re
 import shutil
 import sys
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -141,55 +144,76 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     output_dir = Path(output_dir)
     folder = output_dir / CHECKPOINT_DIR
     final, partial = folder / f"step_{step:08d}", folder / f".tmp-step_{step:08d}"
-    failure = None
-    if accelerator.is_main_process:
-        failure = unwritten_metrics()  # the epoch's record, which only this process writes
+    with removed_if_ended(partial):
+        failure = None
+        if accelerator.is_main_process:
+            failure = unwritten_metrics()  # the epoch's record, which only this process writes
+            if failure is None:
+                try:
+                    # left by a process killed while saving
+                    shutil.rmtree(partial, ignore_errors=True)
+                    partial.mkdir(parents=True)
+                except OSError as error:
+                    failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
+        # the others wait for the folder (and learn of a failure) here
+        failure = from_main(accelerator, failure)
         if failure is None:
             try:
-                shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while saving
-                partial.mkdir(parents=True)
-            except OSError as error:
-                failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
-    # the others wait for the folder (and learn of a failure) here
-    failure = from_main(accelerator, failure)
-    if failure is None:
-        try:
-            accelerator.save_state(str(partial))
-        # SafetensorError, RuntimeError, OSError ..., FSDP2's CheckpointException (a BaseException)
-        except (Exception, CheckpointException) as error:  # noqa: BLE001
-            failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
-            if accelerator.num_processes > 1:  # the others may be in save_state's collectives
-                if accelerator.is_main_process:  # (FSDP2's gathers, --ema-decay's): no agreeing
-                    shutil.rmtree(partial, ignore_errors=True)
-                fail_alone(accelerator, failure + intact_advice(output_dir))
-        # every process's files are written (or not) before the list is made
-        failure = agree(accelerator, failure)
-    if failure is None and accelerator.is_main_process:
-        try:
-            files = {name: (partial / name).stat().st_size for name in _state_files(partial)}
-            digests = {name: file_crc32(partial / name) for name in files}
-            # last: it lists all the others
-            write_json(partial / MANIFEST, {"step": step, "files": files, "crc32": digests})
-            fsync_tree(partial)
-            if not (output_dir / WROTE_CHECKPOINTS).exists():
-                write_json(output_dir / WROTE_CHECKPOINTS, {"first": final.name})
-        except Exception as error:  # noqa: BLE001
-            failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
-    failure = from_main(accelerator, failure)
-    if failure is not None:
+                accelerator.save_state(str(partial))
+            # SafetensorError, RuntimeError, OSError ..., FSDP2's CheckpointException (a
+            # BaseException)
+            except (Exception, CheckpointException) as error:  # noqa: BLE001
+                failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
+                if accelerator.num_processes > 1:  # the others may be in save_state's collectives
+                    if accelerator.is_main_process:  # (FSDP2's gathers, --ema-decay's): no agreeing
+                        shutil.rmtree(partial, ignore_errors=True)
+                    fail_alone(accelerator, failure + intact_advice(output_dir))
+            # every process's files are written (or not) before the list is made
+            failure = agree(accelerator, failure)
+        if failure is None and accelerator.is_main_process:
+            try:
+                files = {name: (partial / name).stat().st_size for name in _state_files(partial)}
+                digests = {name: file_crc32(partial / name) for name in files}
+                # last: it lists all the others
+                write_json(partial / MANIFEST, {"step": step, "files": files, "crc32": digests})
+                fsync_tree(partial)
+                if not (output_dir / WROTE_CHECKPOINTS).exists():
+                    write_json(output_dir / WROTE_CHECKPOINTS, {"first": final.name})
+            except Exception as error:  # noqa: BLE001
+                failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
+        failure = from_main(accelerator, failure)
+        if failure is not None:
+            if accelerator.is_main_process:
+                shutil.rmtree(partial, ignore_errors=True)
+            fail_together(accelerator, failure + intact_advice(output_dir))
         if accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-        fail_together(accelerator, failure + intact_advice(output_dir))
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        fsync_dir(folder)
-        # Newer ones than this (left by a run resumed from an older checkpoint, a damaged one among
-        # them) are not counted: they are replaced when this run reaches their step.
-        for path in all_checkpoints(output_dir, up_to=step)[keep:]:
-            shutil.rmtree(path)
-    accelerator.wait_for_everyone()
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            fsync_dir(folder)
+            # Newer ones than this (left by a run resumed from an older checkpoint, a damaged one
+            # among them) are not counted: they are replaced when this run reaches their step.
+            for path in all_checkpoints(output_dir, up_to=step)[keep:]:
+                shutil.rmtree(path)
+        accelerator.wait_for_everyone()
     return final
+
+
+@contextmanager
+def removed_if_ended(partial: Path):
+    """``partial`` removed if this process leaves the block by an exception (a collective that lost
+    the main process) or ends inside it (the failure watch and fail_alone end a process through
+    end_now, which runs the exit handlers). A checkpoint that one process failed to write is then
+    removed whichever process ends last: after the main process removed it, another may make the
+    folder again in save_state and write its own file there."""
+    remove = functools.partial(shutil.rmtree, partial, ignore_errors=True)
+    atexit.register(remove)
+    try:
+        yield
+    except BaseException:
+        remove()
+        raise
+    finally:
+        atexit.unregister(remove)
 
 
 def intact_advice(output_dir: Path) -> str:

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, bad_ends, execute, user_env, weights
+from helpers import BIN, ROOT, bad_ends, execute, user_env, wandb_runs, weights
+from wandb_records import offline_run
 
 STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 # 8 steps an epoch, 16 in all, at the peak lr --lr gives (the batch is the reference batch); a batch
 # of 32: what these tests check does not depend on it, and a step costs half of one of 64.
-SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
-         "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--epochs", "2",
-         "--report-to", "none"]
+TRACKED = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
+           "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--epochs", "2"]
+SMALL = [*TRACKED, "--report-to", "none"]
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *SMALL]
 DDP = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
        "--num_processes", "2", str(ROOT / "scripts" / "train_ddp.py"), *SMALL]
@@ -63,9 +64,12 @@ def all_finite(path: Path) -> bool:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hang-up"])
 def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path, signum):
     """On the workers path, whose DataLoader workers get the signal too: one line, exit 75, the lock
-    released, and --resume finishes the run."""
+    released, and --resume finishes the run. Ctrl-C's run is tracked by wandb (offline), whose own
+    process is in the group too: the run is finished cleanly, and the resume continues it."""
     out = tmp_path / "run"
-    command = [*SINGLE, "--loader", "workers", "--workers", "1", "--checkpoint-every", "3"]
+    tracked = signum == signal.SIGINT
+    command = [*SINGLE[:2], *(TRACKED if tracked else SMALL), "--loader", "workers", "--workers", "1",
+               "--checkpoint-every", "3"]
     process = start([*command, "--output-dir", str(out)], tmp_path)
     wait_for(process, out / "checkpoints" / "step_00000003")
     os.killpg(process.pid, signum)
@@ -77,9 +81,16 @@ def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path
     assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and (checkpoint / "checkpoint.json").is_file()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert not (out / ".lock").exists() and not (out / "model.safetensors").exists()
+    if tracked:
+        (stopped,) = map(offline_run, wandb_runs(out))
+        assert stopped["exit_code"] == 0, stdout[-2000:] + stderr[-3000:]  # finished, not crashed
     done = finish(command, tmp_path, "--output-dir", out, "--resume")
     assert done.returncode == 0 and f"resumed from {checkpoint}" in done.stdout, done.stderr[-3000:]
     assert "done: step 16" in done.stdout
+    if tracked:  # one wandb run, continued at the step after the checkpoint
+        first, second = map(offline_run, wandb_runs(out))
+        assert first["id"] == second["id"] and second["exit_code"] == 0
+        assert min(k for k in second["history"] if k is not None) > step, second["history"]
 
 
 def test_ctrl_c_on_a_two_process_job_stops_both_after_one_step_with_one_line(tmp_path):
