@@ -111,7 +111,9 @@ def test_a_process_waiting_outside_a_collective_is_ended_by_the_watch(tmp_path):
 def test_a_full_disk_under_load_ends_both_processes_every_time(tmp_path):
     """3 MB hold the first checkpoint (step 2) of resnet20, not the second: every process writes its
     part (save_state) and learns of the failure in one collective. Three runs, a busy process beside;
-    the last one's advice followed, with the space freed, finishes the run."""
+    in the second, process 1 saves 2 s late (tests/late_save.py), after the main process has failed
+    and ended: the folder it makes again is removed too. The last one's advice followed, with the
+    space freed, finishes the run."""
     flags = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-test-size", "64", "--model",
              "resnet20", "--batch-size", "32", "--epochs", "2", "--report-to", "none", "--checkpoint-every", "2",
              "--keep-checkpoints", "5"]
@@ -122,7 +124,9 @@ def test_a_full_disk_under_load_ends_both_processes_every_time(tmp_path):
         for attempt in range(3):
             with tmpfs(tmp_path / f"disk{attempt}", "3m") as disk:
                 out = disk / "run"
-                [line] = ended_as_one(Processes("train_ddp.py", *flags, "--output-dir", out, cwd=tmp_path))
+                script = [ROOT / "tests" / "late_save.py", ROOT / "scripts" / "train_ddp.py"] if attempt == 1 else [
+                    "train_ddp.py"]
+                [line] = ended_as_one(Processes(*script, *flags, "--output-dir", out, cwd=tmp_path))
                 assert line.startswith(f"error: cannot write checkpoint {out}/checkpoints/step_00000004 (no space left")
                 assert line.endswith(f"the checkpoint {out}/checkpoints/step_00000002 is intact: free space in "
                                      f"{out}, then run the same command with --output-dir {out} --resume")
