@@ -164,9 +164,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
             # BaseException)
             except (Exception, CheckpointException) as error:  # noqa: BLE001
                 failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
-                if accelerator.num_processes > 1:  # the others may be in save_state's collectives
-                    if accelerator.is_main_process:  # (FSDP2's gathers, --ema-decay's): no agreeing
-                        shutil.rmtree(partial, ignore_errors=True)
+                # the others may be in save_state's collectives (FSDP2's gathers, --ema-decay's):
+                # no agreeing
+                if accelerator.num_processes > 1:
                     fail_alone(accelerator, failure + intact_advice(output_dir))
             # every process's files are written (or not) before the list is made
             failure = agree(accelerator, failure)
@@ -182,9 +182,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
             except Exception as error:  # noqa: BLE001
                 failure = f"cannot write checkpoint {final} ({why_not_written(error, partial)})"
         failure = from_main(accelerator, failure)
-        if failure is not None:
-            if accelerator.is_main_process:
-                shutil.rmtree(partial, ignore_errors=True)
+        if failure is not None:  # partial removed on the way out (removed_if_ended)
             fail_together(accelerator, failure + intact_advice(output_dir))
         if accelerator.is_main_process:
             shutil.rmtree(final, ignore_errors=True)
@@ -200,11 +198,11 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
 
 @contextmanager
 def removed_if_ended(partial: Path):
-    """``partial`` removed if this process leaves the block by an exception (a collective that lost
-    the main process) or ends inside it (the failure watch and fail_alone end a process through
-    end_now, which runs the exit handlers). A checkpoint that one process failed to write is then
-    removed whichever process ends last: after the main process removed it, another may make the
-    folder again in save_state and write its own file there."""
+    """``partial`` removed if this process leaves the block by an exception (fail_together's, a
+    collective that lost the main process) or ends inside it (the failure watch and fail_alone end
+    a process through end_now, which runs the exit handlers). A checkpoint that one process failed
+    to write is then removed whichever process ends last: after the main process removed it,
+    another may make the folder again in save_state and write its own file there."""
     remove = functools.partial(shutil.rmtree, partial, ignore_errors=True)
     atexit.register(remove)
     try:

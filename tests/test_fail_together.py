@@ -124,9 +124,9 @@ def test_a_full_disk_under_load_ends_both_processes_every_time(tmp_path):
         for attempt in range(3):
             with tmpfs(tmp_path / f"disk{attempt}", "3m") as disk:
                 out = disk / "run"
-                script = [ROOT / "tests" / "late_save.py", ROOT / "scripts" / "train_ddp.py"] if attempt == 1 else [
-                    "train_ddp.py"]
-                [line] = ended_as_one(Processes(*script, *flags, "--output-dir", out, cwd=tmp_path))
+                late = [ROOT / "tests" / "late_save.py"] if attempt == 1 else []
+                job = Processes(*late, ROOT / "scripts" / "train_ddp.py", *flags, "--output-dir", out, cwd=tmp_path)
+                [line] = ended_as_one(job)
                 assert line.startswith(f"error: cannot write checkpoint {out}/checkpoints/step_00000004 (no space left")
                 assert line.endswith(f"the checkpoint {out}/checkpoints/step_00000002 is intact: free space in "
                                      f"{out}, then run the same command with --output-dir {out} --resume")

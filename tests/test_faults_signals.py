@@ -28,7 +28,8 @@ STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
 TRACKED = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
            "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "32", "--epochs", "2"]
 SMALL = [*TRACKED, "--report-to", "none"]
-SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *SMALL]
+TRAIN_SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py")]
+SINGLE = [*TRAIN_SINGLE, *SMALL]
 DDP = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
        "--num_processes", "2", str(ROOT / "scripts" / "train_ddp.py"), *SMALL]
 
@@ -68,7 +69,7 @@ def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path
     process is in the group too: the run is finished cleanly, and the resume continues it."""
     out = tmp_path / "run"
     tracked = signum == signal.SIGINT
-    command = [*SINGLE[:2], *(TRACKED if tracked else SMALL), "--loader", "workers", "--workers", "1",
+    command = [*TRAIN_SINGLE, *(TRACKED if tracked else SMALL), "--loader", "workers", "--workers", "1",
                "--checkpoint-every", "3"]
     process = start([*command, "--output-dir", str(out)], tmp_path)
     wait_for(process, out / "checkpoints" / "step_00000003")
