@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.models import build_model
+from common.recipe.models import build_model
 
 LOG_EVERY = 5
 

@@ -90,7 +90,7 @@ def _image(pixels: torch.Tensor) -> PIL.Image.Image:
 
 class WorkersPipeline:
     """The training scripts' --loader workers at 224 px: common.data.workers.worker_loader over
-    the folder's training FileSplit (as common.inputs builds it), normalised on the device by
+    the folder's training FileSplit (as common.data.inputs builds it), normalised on the device by
     BatchTransform(augment=False) with the scripts' default channels_last."""
 
     def __init__(self, root: Path, batch_size: int, workers: int, device: torch.device):

@@ -32,12 +32,12 @@ from common.data.splits import ImageData
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
-from common.ema import WeightAverage
-from common.models import build_model
-from common.numerics import keep_freed_memory
-from common.optim import build_optimizer
-from common.run_record import versions
-from common.utilisation import GB
+from common.observe.utilisation import GB
+from common.recipe.ema import WeightAverage
+from common.recipe.models import build_model
+from common.recipe.numerics import keep_freed_memory
+from common.recipe.optim import build_optimizer
+from common.run.record import versions
 
 # ----------------------------------------------------------------------------------- the machine
 
@@ -252,13 +252,13 @@ def run_watched(command: list[str], cwd: Path, gpus: int, timeout: float,
 class PlainLoop:
     """The minimal training loop: forward, loss, backward, optimizer step, and nothing else.
 
-    The scripts' model, optimizer (common.optim) and batch size, on batches that are already
+    The scripts' model, optimizer (common.recipe.optim) and batch size, on batches that are already
     normalised and on the device: no augmentation, schedule, checks or logging. ``bf16`` autocasts
     as Accelerate does, ``channels_last`` converts the model and the batches as train_amp.py does,
     ``tf32_math`` sets TF32 as the scripts' --tf32 does (see tf32); cuDNN searches its convolution
     algorithms (cudnn.benchmark) as in the scripts, and a CPU's allocations stay in the process as
-    in the scripts (common.numerics.keep_freed_memory). ``ema_decay`` adds the scripts' weight average
-    (common.ema.WeightAverage, one process) after every optimizer step, as --ema-decay does.
+    in the scripts (common.recipe.numerics.keep_freed_memory). ``ema_decay`` adds the scripts' weight average
+    (common.recipe.ema.WeightAverage, one process) after every optimizer step, as --ema-decay does.
     """
 
     def __init__(self, model_name: str, batch_size: int, device: torch.device, bf16: bool = False,
@@ -296,7 +296,7 @@ class PlainLoop:
                 self.optimizer.step()
                 self.ema.update()
                 # Waits for the device at every step, so each step's time is the device's; the scripts
-                # wait a step behind (their NaN check, common/step_guard.py): the same pace once running.
+                # wait a step behind (their NaN check, common/parallel/step_guard.py): the same pace once running.
                 loss.item()
                 self.steps_done += 1
                 self.step_seconds.append(time.perf_counter() - tick)
@@ -305,7 +305,7 @@ class PlainLoop:
 
 
 class OneProcess:
-    """What common.ema.WeightAverage asks of an Accelerator, for one process and a plain model."""
+    """What common.recipe.ema.WeightAverage asks of an Accelerator, for one process and a plain model."""
 
     num_processes = 1
 

@@ -6,21 +6,21 @@ import math
 import torch
 import torchvision
 
-from common.data_flags import add_augment_args, add_data_args, check_augment_args, check_data_args
-from common.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
+from common.data.flags import add_augment_args, add_data_args, check_augment_args, check_data_args
 from common.errors import UserError
-from common.files import check_folder
-from common.launch import SHARE_GPUS
-from common.models import (
+from common.observe.profiling import profile_steps
+from common.parallel.launch import SHARE_GPUS
+from common.recipe.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
+from common.recipe.models import (
     TIMM_PREFIX,
     TORCHVISION_PREFIX,
     build_model,
     check_timm_name,
     model_names,
 )
-from common.optim import DEFAULT_LR
-from common.pretrained import check_fine_tuning
-from common.profiling import profile_steps
+from common.recipe.optim import DEFAULT_LR
+from common.recipe.pretrained import check_fine_tuning
+from common.run.files import check_folder
 
 # The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1
@@ -34,7 +34,7 @@ MAX_SEED = 2**32 - 1
 MIN_DIST_TIMEOUT, MAX_DIST_TIMEOUT = 10, 10**9
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the optimizer's arithmetic (--lr, ...)
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # below: an lr of 0 in float32
-# --report-to: the trackers of Accelerate's that the scripts set up (common.tracking)
+# --report-to: the trackers of Accelerate's that the scripts set up (common.observe.tracking)
 TRACKERS = ("wandb", "tensorboard", "mlflow")
 
 # Flags (their dest) that may change when a run is resumed; any other change would make the resumed

@@ -49,8 +49,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.tools import synchronize
-from common.data_parallel import PeerCheckFailed, data_parallel_transfers, run_transfer_check
 from common.errors import UserError
+from common.parallel.data_parallel import (
+    PeerCheckFailed,
+    data_parallel_transfers,
+    run_transfer_check,
+)
 
 P2P_ADVICE = ("do not use DataParallel (scripts/train_dp.py) here: its scatter and gather copy "
               "directly between GPUs even with NCCL_P2P_DISABLE=1; train with NCCL_P2P_DISABLE=1 "
@@ -185,9 +189,9 @@ def check_topology(count: int) -> Check:
 
 def check_transfers(devices: list[torch.device], timeout: float,
                     check=data_parallel_transfers) -> list[Check]:
-    """What DataParallel moves between GPUs (common.data_parallel.data_parallel_transfers, or
-    ``check``), in a child process killed when one step takes over ``timeout`` seconds: its scatter
-    and gather copies, then its NCCL broadcast and reduce_add."""
+    """What DataParallel moves between GPUs (common.parallel.data_parallel.data_parallel_transfers,
+    or ``check``), in a child process killed when one step takes over ``timeout`` seconds: its
+    scatter and gather copies, then its NCCL broadcast and reduce_add."""
     try:
         copies, nccl = run_transfer_check(devices, timeout, check)
     except PeerCheckFailed as failure:

@@ -50,10 +50,10 @@ from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
-from common.files import check_folder
-from common.launch import nccl_shares_gpus, nccl_version
-from common.run_folder import new_run_dir
-from common.utilisation import GB
+from common.observe.utilisation import GB
+from common.parallel.launch import nccl_shares_gpus, nccl_version
+from common.run.files import check_folder
+from common.run.folder import new_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # where tests/test_gpu.py appends each check's figures, and bench/gpu_pytest.py its outcome
@@ -295,7 +295,7 @@ def script_rows(benchmark: dict, plain: dict[str, float], skip_single: bool = Fa
 def large_rows(batch: int, steps: int) -> list[dict]:
     """ResNet-50 at 224 px, synthetic batches already on the GPU, the plain loop in fp32 and bf16,
     both in channels_last with TF32 and cudnn.benchmark on: the scripts' defaults
-    (common.numerics.set_numerics)."""
+    (common.recipe.numerics.set_numerics)."""
     device = torch.device("cuda", 0)
     torch.backends.cudnn.benchmark = True
     batches = max(2, math.ceil(10 / batch))  # whole batches, and every one of the 10 classes

@@ -53,26 +53,32 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
-from common.compiling import compile_plugin
-from common.ema import WeightAverage
-from common.evaluation import evaluate
-from common.failures import refused_together
-from common.inputs import load_data
-from common.launch import check_launch, launch_record, set_gpu_sharing
-from common.models import build_model
-from common.numerics import set_numerics
-from common.optim import optimizer_and_schedule, set_peak_lr
-from common.output import survive_closed_output
-from common.pretrained import fine_tune
-from common.profiling import StepProfiler
-from common.run_folder import lock_run_and_find_resume
-from common.run_record import done_line, run_config
-from common.step_guard import StepGuard, announce_stop
-from common.tracking import EpochMeter, StepLogger, installed_trackers, record_epoch, start_run
-from common.utilisation import peak_memory
-from common.weights import save_final_weights
+from common.data.inputs import load_data
+from common.observe.output import survive_closed_output
+from common.observe.profiling import StepProfiler
+from common.observe.tracking import (
+    EpochMeter,
+    StepLogger,
+    installed_trackers,
+    record_epoch,
+    start_run,
+)
+from common.observe.utilisation import peak_memory
+from common.parallel.failures import refused_together
+from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
+from common.parallel.step_guard import StepGuard, announce_stop
+from common.recipe.compiling import compile_plugin
+from common.recipe.ema import WeightAverage
+from common.recipe.evaluation import evaluate
+from common.recipe.models import build_model
+from common.recipe.numerics import set_numerics
+from common.recipe.optim import optimizer_and_schedule, set_peak_lr
+from common.recipe.pretrained import fine_tune
+from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.run.folder import lock_run_and_find_resume
+from common.run.record import done_line, run_config
+from common.run.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
 RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout", "share_gpus"}  # DDP: the wait, GPUs shared

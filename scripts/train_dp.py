@@ -36,7 +36,7 @@ this one process they are plain calls, marked so that the script reads as the ot
 Pitfalls: BatchNorm normalises each GPU's slice on its own, and its running statistics come from
 GPU 0's slice only (the other replicas are dropped after forward). A state_dict() taken from the
 DataParallel wrapper has `module.` in front of every key and does not load into a plain model
-(common.weights.load_weights strips it); this script saves the unwrapped model.
+(common.run.weights.load_weights strips it); this script saves the unwrapped model.
 
 Launch:
     python scripts/train_dp.py                                  # every visible GPU
@@ -55,27 +55,33 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args
-from common.compiling import compile_plugin
-from common.data_parallel import checked_gpus, memory_report
-from common.ema import WeightAverage
+from common.data.inputs import load_data
 from common.errors import UserError
-from common.evaluation import evaluate
-from common.failures import refused_together
-from common.inputs import load_data
-from common.launch import launch_record, require_single_process
-from common.models import build_model
-from common.numerics import set_numerics
-from common.optim import optimizer_and_schedule, set_peak_lr
-from common.output import survive_closed_output
-from common.pretrained import fine_tune
-from common.profiling import StepProfiler
-from common.run_folder import lock_run_and_find_resume
-from common.run_record import done_line, run_config
-from common.step_guard import StepGuard, announce_stop
-from common.tracking import EpochMeter, StepLogger, installed_trackers, record_epoch, start_run
-from common.weights import save_final_weights
+from common.observe.output import survive_closed_output
+from common.observe.profiling import StepProfiler
+from common.observe.tracking import (
+    EpochMeter,
+    StepLogger,
+    installed_trackers,
+    record_epoch,
+    start_run,
+)
+from common.parallel.data_parallel import checked_gpus, memory_report
+from common.parallel.failures import refused_together
+from common.parallel.launch import launch_record, require_single_process
+from common.parallel.step_guard import StepGuard, announce_stop
+from common.recipe.compiling import compile_plugin
+from common.recipe.ema import WeightAverage
+from common.recipe.evaluation import evaluate
+from common.recipe.models import build_model
+from common.recipe.numerics import set_numerics
+from common.recipe.optim import optimizer_and_schedule, set_peak_lr
+from common.recipe.pretrained import fine_tune
+from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.run.folder import lock_run_and_find_resume
+from common.run.record import done_line, run_config
+from common.run.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
 RESUMABLE = RESUMABLE_FLAGS  # the flags that --resume lets change

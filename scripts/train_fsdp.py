@@ -10,8 +10,8 @@ model that fits (ResNet-18 fits any GPU many times over) DDP is faster. Changes 
 each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
 
 - Accelerate's FSDP plugin (fsdp_version=2), one unit per residual block (BasicBlock, Bottleneck,
-  ...: common/sharding.py): the default, one unit for the whole model, gathers it whole and saves
-  no memory. Sharded checkpoints: each process writes its slice (pytorch_model_fsdp_0/,
+  ...: common/parallel/fsdp.py): the default, one unit for the whole model, gathers it whole
+  and saves no memory. Sharded checkpoints: each process writes its slice (pytorch_model_fsdp_0/,
   optimizer_0/), --resume reads them back;
 - a refusal where it would not shard: without GPUs Accelerate drops the plugin without a word and
   runs DDP (and `accelerate launch --cpu --use_fsdp` is refused), so this script says so in one
@@ -52,27 +52,33 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from common.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.cli import RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
-from common.compiling import compile_plugin
-from common.ema import WeightAverage
-from common.evaluation import evaluate
-from common.failures import refused_together
-from common.inputs import load_data
-from common.launch import check_launch, launch_record, set_gpu_sharing
-from common.models import build_model
-from common.numerics import set_numerics
-from common.optim import optimizer_and_schedule, set_peak_lr
-from common.output import survive_closed_output
-from common.pretrained import fine_tune
-from common.profiling import StepProfiler
-from common.run_folder import lock_run_and_find_resume
-from common.run_record import done_line, run_config
-from common.sharding import average_buffers, check_sharding, gathered_model, wrap_each_block
-from common.step_guard import StepGuard, announce_stop
-from common.tracking import EpochMeter, StepLogger, installed_trackers, record_epoch, start_run
-from common.utilisation import peak_memory
-from common.weights import save_final_weights
+from common.data.inputs import load_data
+from common.observe.output import survive_closed_output
+from common.observe.profiling import StepProfiler
+from common.observe.tracking import (
+    EpochMeter,
+    StepLogger,
+    installed_trackers,
+    record_epoch,
+    start_run,
+)
+from common.observe.utilisation import peak_memory
+from common.parallel.failures import refused_together
+from common.parallel.fsdp import average_buffers, check_sharding, gathered_model, wrap_each_block
+from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
+from common.parallel.step_guard import StepGuard, announce_stop
+from common.recipe.compiling import compile_plugin
+from common.recipe.ema import WeightAverage
+from common.recipe.evaluation import evaluate
+from common.recipe.models import build_model
+from common.recipe.numerics import set_numerics
+from common.recipe.optim import optimizer_and_schedule, set_peak_lr
+from common.recipe.pretrained import fine_tune
+from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
+from common.run.folder import lock_run_and_find_resume
+from common.run.record import done_line, run_config
+from common.run.weights import save_final_weights
 
 SCRIPT = Path(__file__).stem
 RESUMABLE = RESUMABLE_FLAGS | {"dist_timeout", "share_gpus"}  # DDP: the wait, GPUs shared

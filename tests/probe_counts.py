@@ -1,6 +1,6 @@
 """The correct predictions of saved weights, counted in the test with plain torch: a test tool.
 
-evaluate.py and the training scripts both count with common.evaluation.evaluate; a test that
+evaluate.py and the training scripts both count with common.recipe.evaluation.evaluate; a test that
 compares the two compares that function with itself. This counts again from the file alone: the
 weights and the metadata a run stores (normalisation, memory format, precision), images turned into
 floats by (x - mean) / std, the model's argmax against the labels, class by class.
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from common.models import build_model
+from common.recipe.models import build_model
 
 
 def metadata(weights: Path) -> dict:

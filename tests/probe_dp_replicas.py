@@ -22,7 +22,7 @@ import sys
 import torch
 from torch.func import functional_call
 
-import common.data_parallel
+import common.parallel.data_parallel
 
 REPLICAS = 2
 gathered = []
@@ -57,12 +57,12 @@ def _write():
 
 
 def two_devices(device, batch_size, grad_accum):
-    common.data_parallel.check_batch_split(batch_size, REPLICAS, "visible GPUs", grad_accum)
+    common.parallel.data_parallel.check_batch_split(batch_size, REPLICAS, "visible GPUs", grad_accum)
     return [torch.device("cuda", i) for i in range(REPLICAS)]
 
 
-common.data_parallel.checked_gpus = two_devices
-common.data_parallel.memory_report = lambda devices: {}  # no GPU to read
+common.parallel.data_parallel.checked_gpus = two_devices
+common.parallel.data_parallel.memory_report = lambda devices: {}  # no GPU to read
 torch.nn.DataParallel = TwoReplicas
 atexit.register(_write)
 sys.argv = sys.argv[1:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common import ema
+from common.recipe import ema
 
 _apply = ema.WeightAverage.apply
 

@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from common import ema
+from common.recipe import ema
 
 _init, _prepare = Accelerator.__init__, Accelerator.prepare
 _average = ema.WeightAverage.__init__

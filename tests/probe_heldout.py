@@ -2,7 +2,7 @@
 
     python tests/probe_heldout.py scripts/evaluate.py ARGS...
 
-Every batch that a model built by common.models.build_model gets in eval mode is written, as it
+Every batch that a model built by common.recipe.models.build_model gets in eval mode is written, as it
 reached the model (normalised floats), to $PROBE_FILE as a list of tensors (torch.save). The test
 turns them back into uint8 images with the run's normalisation and finds the files they came from:
 which images a run held out, seen where they are used, whatever the loader.
@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-import common.models
+import common.recipe.models
 
 batches = []
-_build_model = common.models.build_model
+_build_model = common.recipe.models.build_model
 
 
 def _record(module, inputs):
@@ -36,7 +36,7 @@ def _write():
     torch.save(batches, os.environ["PROBE_FILE"])
 
 
-common.models.build_model = build_model  # before the script imports it by name
+common.recipe.models.build_model = build_model  # before the script imports it by name
 atexit.register(_write)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

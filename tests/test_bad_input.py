@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, execute, tmpfs, tree_digest, user_env
 
-from common.checkpoints import save_checkpoint
 from common.errors import UserError
-from common.launch import check_batch_split
+from common.parallel.launch import check_batch_split
+from common.run.checkpoints import save_checkpoint
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64"]
@@ -348,7 +348,7 @@ def test_no_disk_space_for_a_checkpoint(tmp_path):
     import torch
     from accelerate import Accelerator
 
-    from common.checkpoints import TrainProgress, checkpoint_problem
+    from common.run.checkpoints import TrainProgress, checkpoint_problem
 
     with tmpfs(tmp_path / "disk", "3m") as disk:
         accelerator = Accelerator(cpu=True)

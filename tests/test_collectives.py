@@ -269,8 +269,8 @@ def test_the_reading_of_common_knows_its_collectives():
 
 SAMPLE = '''
     from accelerate import Accelerator
-    from common.checkpoints import resume_from
-    from common.step_guard import StepGuard
+    from common.run.checkpoints import resume_from
+    from common.parallel.step_guard import StepGuard
 
 
     def main(args):

@@ -11,18 +11,18 @@ import torch
 from helpers import ROOT
 from torchvision.transforms import v2
 
-from common.checkpoints import latest_checkpoint
 from common.data.crops import sample_seed
 from common.data.device import tensor_loader
 from common.data.stats import channel_stats
 from common.data.transform import BatchTransform, resized_crop_boxes
 from common.errors import UserError
-from common.files import atomic_write
-from common.numerics import choose_mixed_precision, keep_freed_memory
-from common.optim import build_optimizer, build_scheduler
-from common.run_record import check_resume_config
-from common.tracking import log_line
-from common.weights import load_weights, read_metadata, save_weights, strip_wrapper_prefixes
+from common.observe.tracking import log_line
+from common.recipe.numerics import choose_mixed_precision, keep_freed_memory
+from common.recipe.optim import build_optimizer, build_scheduler
+from common.run.checkpoints import latest_checkpoint
+from common.run.files import atomic_write
+from common.run.record import check_resume_config
+from common.run.weights import load_weights, read_metadata, save_weights, strip_wrapper_prefixes
 
 
 def images(n=16, seed=0):
@@ -287,7 +287,7 @@ def test_channels_last_batches():
 
 
 def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
-    from common.utilisation import peak_memory
+    from common.observe.utilisation import peak_memory
 
     class OnCPU:
         device = torch.device("cpu")
@@ -307,7 +307,7 @@ def test_peak_memory_is_reported_per_process_on_gpus_only(monkeypatch):
 
 
 FAULTS = """import resource, sys, torch
-from common.numerics import set_numerics
+from common.recipe.numerics import set_numerics
 if sys.argv[1] == "cpu":
     set_numerics(torch.device("cpu"), tf32=True, deterministic=False)
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -321,7 +321,7 @@ print(faults() - before)
 
 def test_on_a_cpu_freed_tensor_memory_is_reused_not_faulted_in_again(tmp_path):
     """Real page faults of a fresh process: by default glibc maps a 64 MB tensor's pages anew at each
-    allocation; after set_numerics on a CPU (common.numerics.keep_freed_memory) it reuses them."""
+    allocation; after set_numerics on a CPU (common.recipe.numerics.keep_freed_memory) it reuses them."""
     if not keep_freed_memory(torch.device("cpu")):
         pytest.skip("not glibc: malloc's own behaviour")
     (tmp_path / "faults.py").write_text(FAULTS)

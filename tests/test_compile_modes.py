@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from torch._dynamo.utils import counters
 
-from common.compiling import compile_line, compile_plugin
+from common.recipe.compiling import compile_line, compile_plugin
 
 
 @pytest.fixture

@@ -26,20 +26,37 @@ def common_function(name: str):
     pytest.fail(f"no module of common/ defines {name}(): update tests/test_docs.py")
 
 
-# ----------------------------------------------------------------------------- README Layout
+# ----------------------------------------------------------------------------- README's module lists
+
+def listed_names(text: str) -> list[str]:
+    """The module names a README entry lists. Text in parentheses is a remark; the rest is names
+    separated by commas, semicolons or "and", with or without ``.py`` and backquotes, sub-package
+    modules as ``data/sources``. In each part between semicolons, text up to a colon is a
+    description ("the copy set: cli, ..."). Words that are no name are prose."""
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", " ", text)  # innermost first: remarks may hold calls
+    text = " , ".join(part.rsplit(":", 1)[-1] for part in text.split(";"))
+    names = []
+    for token in re.split(r",|\band\b", text):
+        token = token.strip().strip(".").strip().strip("`")
+        token = token[:-3] if token.endswith(".py") else token
+        if NAME.fullmatch(token):
+            names.append(token)
+    return names
+
+
+def section(readme: str, title: str) -> str:
+    parts = readme.split(f"\n## {title}\n", 1)
+    assert len(parts) == 2, f"README.md has no '## {title}' section, where the module lists are"
+    return parts[1].split("\n## ", 1)[0]
+
 
 def layout_entry(readme: str, folder: str) -> list[str]:
-    """The names the README's Layout block lists for ``folder`` (common, scripts, bench).
+    """The names the README's Layout block lists for ``folder`` (scripts, bench).
 
     The block is indented code; an entry is a line ``    folder/  text`` plus the lines indented
-    deeper below it. Text in parentheses is a remark; the rest is names separated by commas,
-    semicolons or "and", with or without ``.py``, sub-package modules as ``data/sources``. In each
-    part between semicolons, text up to a colon is a description ("the copy set: cli, ..."). Words
-    that are no name are prose.
-    """
-    section = readme.split("\n## Layout\n", 1)
-    assert len(section) == 2, "README.md has no '## Layout' section, where the module lists are"
-    lines = section[1].split("\n## ", 1)[0].splitlines()
+    deeper below it."""
+    lines = section(readme, "Layout").splitlines()
     start = [i for i, line in enumerate(lines) if re.match(rf"    {folder}/(\s|$)", line)]
     assert len(start) == 1, (f"README.md's Layout block has {len(start)} lines starting with "
                              f"'    {folder}/'; it needs one, listing the modules of {folder}/")
@@ -48,27 +65,27 @@ def layout_entry(readme: str, folder: str) -> list[str]:
         if not line.strip() or len(line) - len(line.lstrip()) <= 4:
             break  # a blank line or the next entry
         text.append(line)
-    entry = re.sub(r"\([^)]*\)", " ", " ".join(text))
-    entry = " , ".join(part.rsplit(":", 1)[-1] for part in entry.split(";"))
-    names = []
-    for token in re.split(r",|\band\b", entry):
-        token = token.strip().strip(".").strip()
-        token = token[:-3] if token.endswith(".py") else token
-        if NAME.fullmatch(token):
-            names.append(token)
-    return names
+    return listed_names(" ".join(text))
 
 
-def modules_on_disk(folder: str, recursive: bool) -> list[str]:
-    pattern = "**/*.py" if recursive else "*.py"
-    return sorted(p.relative_to(ROOT / folder).with_suffix("").as_posix()
-                  for p in (ROOT / folder).glob(pattern)
-                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
+def change_entry(readme: str, folder: str) -> list[str]:
+    """The names README's "Where to change what" lists for ``folder`` (common, common/data, ...):
+    the table row whose edit cell starts with a link to ``folder/``."""
+    rows = [row.split("|") for row in section(readme, "Where to change what").splitlines()
+            if row.startswith("| ")]
+    cells = [row[2] for row in rows if len(row) > 3 and row[2].strip().startswith(f"[`{folder}/`]")]
+    assert len(cells) == 1, (f"README.md's 'Where to change what' has {len(cells)} rows whose edit "
+                             f"cell starts with [`{folder}/`](...); it needs one, naming its modules")
+    return listed_names(cells[0])
 
 
-def layout_mismatch(readme: str, folder: str, recursive: bool) -> str:
-    """'' when the README lists exactly the modules of ``folder``, else what to fix."""
-    listed, on_disk = layout_entry(readme, folder), modules_on_disk(folder, recursive)
+def modules_on_disk(folder: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+
+
+def list_mismatch(listed: list[str], folder: str, where: str) -> str:
+    """'' when ``listed`` is exactly the modules of ``folder``, else what to fix."""
+    on_disk = modules_on_disk(folder)
     missing = sorted(set(on_disk) - set(listed))
     stale = sorted(set(listed) - set(on_disk))
     twice = sorted({name for name in listed if listed.count(name) > 1})
@@ -79,38 +96,52 @@ def layout_mismatch(readme: str, folder: str, recursive: bool) -> str:
         problems.append(f"remove {', '.join(stale)} (listed, no {folder}/NAME.py)")
     if twice:
         problems.append(f"list {', '.join(twice)} once")
-    return f"README.md Layout, the '{folder}/' entry: {'; '.join(problems)}" if problems else ""
+    return f"README.md {where}, the '{folder}/' entry: {'; '.join(problems)}" if problems else ""
 
 
-@pytest.mark.parametrize("folder, recursive",
-                         [("common", False), ("common/data", False), ("scripts", False),
-                          ("bench", False)])
-def test_readme_layout_lists_the_modules_on_disk(folder, recursive):
+COMMON_FOLDERS = ["common"] + sorted(p.parent.relative_to(ROOT).as_posix()
+                                     for p in (ROOT / "common").glob("*/__init__.py"))
+
+
+@pytest.mark.parametrize("folder", ["scripts", "bench"])
+def test_readme_layout_lists_the_modules_on_disk(folder):
     readme = (ROOT / "README.md").read_text()
-    problem = layout_mismatch(readme, folder, recursive)
+    problem = list_mismatch(layout_entry(readme, folder), folder, "Layout")
     assert not problem, problem
 
 
-def test_layout_check_catches_a_module_left_out_or_made_up():
-    # Negative control: the parser on a Layout block of the lead's format (prefix, remarks,
-    # continuation lines, a sub-package), then the same block with one name dropped and one added.
+@pytest.mark.parametrize("folder", COMMON_FOLDERS)
+def test_where_to_change_what_names_every_module_of_common(folder):
+    readme = (ROOT / "README.md").read_text()
+    problem = list_mismatch(change_entry(readme, folder), folder, "Where to change what")
+    assert not problem, problem
+
+
+def test_module_list_checks_catch_a_module_left_out_or_made_up():
+    # Negative control: the parsers on blocks of the README's formats (prefix, remarks holding
+    # calls, continuation lines, descriptions), then the README with one name dropped and one added.
     block = ("intro\n\n## Layout\n\n"
              "    scripts/            train_single.py, evaluate.py;\n"
              "                        the machine: benchmark.py and check_gpus.py (not a lesson)\n"
-             "    common/             the copy set: cli (shared flags), errors,\n"
-             "                        data/sources, models\n"
              "    tests/              the test suite (make test)\n\n"
-             "## Next\n\n    common/  nothing\n")
+             "## Where to change what\n\n| to change | edit |\n|---|---|\n"
+             "| flags | [`common/`](common/__init__.py): cli (`parse(a, b)`; remark), errors |\n"
+             "| data | [`common/data/`](x): inputs (one call), flags; a job each: data/sources |\n\n"
+             "## Next\n\n    scripts/  nothing\n")
     assert layout_entry(block, "scripts") == ["train_single", "evaluate", "benchmark", "check_gpus"]
-    assert layout_entry(block, "common") == ["cli", "errors", "data/sources", "models"]
+    assert change_entry(block, "common") == ["cli", "errors"]
+    assert change_entry(block, "common/data") == ["inputs", "flags", "data/sources"]
     readme = (ROOT / "README.md").read_text()
     entry = re.search(r"\n    bench/[^\n]*(\n {5,}[^\n]*)*", readme).group(0)
     last = layout_entry(readme, "bench")[-1]
     at = entry.rindex(last)
     cut = readme.replace(entry, entry[:at] + entry[at + len(last):])  # the last name left out
-    assert re.search(rf"add [^(]*\b{last}\b", layout_mismatch(cut, "bench", False))
-    made_up = readme.replace(entry, entry + ", made_up")  # a name with no bench/made_up.py
-    assert "remove made_up " in layout_mismatch(made_up, "bench", False)
+    assert re.search(rf"add [^(]*\b{last}\b", list_mismatch(layout_entry(cut, "bench"), "bench", ""))
+    row = re.search(r"\n\| [^|]*\| \[`common/run/`\][^\n]*", readme).group(0)
+    made_up = readme.replace(row, row.replace("folder,", "folder, made_up,"))
+    assert "remove made_up " in list_mismatch(change_entry(made_up, "common/run"), "common/run", "")
+    dropped = readme.replace(row, row.replace(" lock,", ""))
+    assert re.search(r"add [^(]*\block\b", list_mismatch(change_entry(dropped, "common/run"), "common/run", ""))
 
 
 # ----------------------------------------------------------------------------- the example log line
@@ -135,7 +166,7 @@ def parse_log_line(line: str) -> dict:
 
 
 def format_problem(line: str) -> str:
-    """'' when ``line`` is exactly what common/tracking.py's log_line prints for its values."""
+    """'' when ``line`` is exactly what common/observe/tracking.py's log_line prints for its values."""
     log_line = common_function("log_line")
     try:
         printed = log_line(parse_log_line(line))

@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from helpers import ROOT, assert_same_weights, run, two_processes, weights
 from safetensors import safe_open
 
-from common.models import build_model
+from common.recipe.models import build_model
 
 DECAY = 0.5
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--synthetic-test-size", "32"]

@@ -29,7 +29,7 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic
          "--model", "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "3",
          "--checkpoint-every", "4", "--keep-checkpoints", "10", "--report-to", "none"]
 SINGLE = [sys.executable, str(ROOT / "scripts" / "train_single.py"), *FLAGS, "--deterministic"]
-STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
+STOPPED = 75  # common.parallel.step_guard.STOPPED_EXIT_CODE
 STOP_LINE = re.compile(r"stopped by (.+?) after step (\d+): the training state is in (\S+); .*?\(exit code 75\)")
 
 

@@ -23,9 +23,9 @@ from helpers import (ROOT, Forked, assert_same_weights, run, tmpfs, tree_digest,
                      worker_lines)
 from safetensors.torch import load_file, save_file
 
-from common.checkpoints import checkpoint_problem, save_checkpoint
+from common.run.checkpoints import checkpoint_problem, save_checkpoint
 from common.errors import UserError
-from common.run_record import unwritten_metrics, write_config, write_metrics
+from common.run.record import unwritten_metrics, write_config, write_metrics
 
 BIN = Path(sys.executable).parent
 DATA = ["--dataset", "synthetic", "--synthetic-train-size", "128", "--synthetic-test-size", "64"]

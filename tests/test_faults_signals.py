@@ -22,7 +22,7 @@ import torch
 from helpers import BIN, ROOT, bad_ends, execute, user_env, wandb_runs, weights
 from wandb_records import offline_run
 
-STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
+STOPPED = 75  # common.parallel.step_guard.STOPPED_EXIT_CODE
 # 8 steps an epoch, 16 in all, at the peak lr --lr gives (the batch is the reference batch); a batch
 # of 32: what these tests check does not depend on it, and a step costs half of one of 64.
 TRACKED = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "100",
@@ -134,7 +134,7 @@ def test_a_reader_that_goes_away_costs_no_training(tmp_path, closed):
 def test_an_unbreakable_stream_keeps_the_streams_answers_and_never_raises(tmp_path):
     """A real pipe whose reader is gone: the first write fails inside, none raises, and what the
     stream says of itself (encoding, a terminal or not) is the stream's."""
-    from common.output import _Unbreakable
+    from common.observe.output import _Unbreakable
     read, write = os.pipe()
     stream = open(write, "w", encoding="utf-8", buffering=1)
     wrapped = _Unbreakable(stream)

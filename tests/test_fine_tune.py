@@ -28,14 +28,14 @@ from safetensors.torch import load_file, save_file
 from torchvision.io import decode_image
 
 from common.cli import build_parser
+from common.data.flags import data_options
 from common.data.images import fit
+from common.data.inputs import load_inputs, load_test_inputs
 from common.data.stats import channel_stats
-from common.data_flags import data_options
 from common.errors import UserError
-from common.inputs import load_inputs, load_test_inputs
-from common.models import build_model
-from common.pretrained import Weights, find_weights, fine_tune
-from common.weights import read_metadata
+from common.recipe.models import build_model
+from common.recipe.pretrained import Weights, find_weights, fine_tune
+from common.run.weights import read_metadata
 
 CLASSES = 3
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -170,7 +170,7 @@ def test_parameter_groups_decay_weights_only_and_give_the_head_its_lr(tuned):
 
 
 def test_head_lr_scale_finds_a_convolution_head_and_logs_the_base_lr_first():
-    from common.optim import build_optimizer
+    from common.recipe.optim import build_optimizer
     model = build_model("torchvision:squeezenet1_1", CLASSES, 64)  # its head: classifier.1, a 1x1 convolution
     groups = build_optimizer(model, 0.1, 0.9, 5e-4, head_lr_scale=10).param_groups
     names = {id(p): n for n, p in model.named_parameters()}

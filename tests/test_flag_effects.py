@@ -12,7 +12,7 @@ from helpers import run, weights
 from safetensors.torch import load_file
 
 from common.data.synthetic import make_synthetic
-from common.models import build_model
+from common.recipe.models import build_model
 
 SMALL = ["--dataset", "synthetic", "--synthetic-test-size", "10", "--model", "resnet20", "--report-to", "none"]
 

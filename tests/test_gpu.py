@@ -50,13 +50,13 @@ from accelerate.utils import set_seed
 from helpers import BIN, DATA, ROOT, TINY, bad_ends, execute, image_folder, run, user_env, weights
 
 from bench import gpu_plan, gpu_pytest, gpu_report
-from common import launch as launch_module
 from common.data.device import on_device, tensor_loader
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
-from common.models import build_model
-from common.step_guard import StepGuard
-from common.utilisation import DataWait
+from common.observe.utilisation import DataWait
+from common.parallel import launch as launch_module
+from common.parallel.step_guard import StepGuard
+from common.recipe.models import build_model
 
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)
@@ -410,7 +410,7 @@ def test_more_processes_than_gpus_is_refused_without_share_gpus(record, tmp_path
 def test_a_failure_in_one_process_ends_every_process(record, tmp_path):
     """An image that one process cannot decode (--loader workers) while the others wait in an NCCL
     collective, which fails by nothing but its timeout: the failure watch ends every process within
-    seconds (common.failures.watch_failures), one line said, no process aborted or killed."""
+    seconds (common.parallel.failures.watch_failures), one line said, no process aborted or killed."""
     root = image_folder(tmp_path / "data", train=48, val=8, classes=2)
     bad = sorted((root / "train").rglob("*.jpg"))[17]
     bad.write_bytes(bad.read_bytes()[:300])

@@ -12,16 +12,16 @@ import types
 import pytest
 import torch
 
-from common import tracking, utilisation
-from common.checkpoints import latest_checkpoint
 from common.data.device import on_device
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError
-from common.numerics import choose_mixed_precision, set_numerics
-from common.step_guard import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, announce_stop
-from common.tracking import start_tracking
-from common.utilisation import DataWait
+from common.observe import tracking, utilisation
+from common.observe.tracking import start_tracking
+from common.observe.utilisation import DataWait
+from common.parallel.step_guard import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, announce_stop
+from common.recipe.numerics import choose_mixed_precision, set_numerics
+from common.run.checkpoints import latest_checkpoint
 
 
 class FakeAccelerator:

@@ -1,4 +1,4 @@
-"""common/inputs.py, common/data/workers.py: the two input paths (--loader device and workers)
+"""common/data/inputs.py, common/data/workers.py: the two input paths (--loader device and workers)
 read every source the same way, and each flag of the input path does what its help says.
 
 The fixtures write one small dataset (3 named classes) in each format the scripts read: an
@@ -44,14 +44,14 @@ from common.cli import build_parser, check_args
 from common.data import hub
 from common.data.cache import load_image_data
 from common.data.crops import resized_crop_box
+from common.data.flags import data_options
 from common.data.images import decode
+from common.data.inputs import load_inputs
 from common.data.sources import open_source
 from common.data.splits import ImageData
 from common.data.transform import resized_crop_boxes
 from common.data.workers import SampleImages, augment, worker_loader
-from common.data_flags import data_options
 from common.errors import UserError
-from common.inputs import load_inputs
 
 CLASSES = ["cat", "dog", "frog"]
 # (width, height): none square, so nothing has a "native" size

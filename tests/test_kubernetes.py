@@ -34,10 +34,10 @@ from helpers import ROOT, Processes, assert_same_weights, bad_ends, free_port, u
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
-from common.checkpoints import TrainProgress, save_checkpoint
 from common.errors import UserError
-from common.run_folder import lock_run_and_find_resume
-from common.run_lock import JOB_FILE, JOB_ID_VARIABLE, LOCK_FILE, RunLock
+from common.run.checkpoints import TrainProgress, save_checkpoint
+from common.run.folder import lock_run_and_find_resume
+from common.run.lock import JOB_FILE, JOB_ID_VARIABLE, LOCK_FILE, RunLock
 
 KUBE = ROOT / "accelerate_configs" / "kubernetes"
 BIN = Path(sys.executable).parent
@@ -50,7 +50,7 @@ API_VERSIONS = {"TrainJob": "trainer.kubeflow.org/v1alpha1", "TrainingRuntime": 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "64", "--model",
         "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "2", "--checkpoint-every", "4",
         "--keep-checkpoints", "10", "--report-to", "none"]
-STOPPED = 75  # common.step_guard.STOPPED_EXIT_CODE
+STOPPED = 75  # common.parallel.step_guard.STOPPED_EXIT_CODE
 # Each worker's exit code, in a file named after its rank and pid: torchrun reports none after it has
 # passed a signal on.
 EXIT_RECORDER = """import os, sys
@@ -405,7 +405,7 @@ def interrupted(workspace, reference):
 
 def test_a_lost_node_fails_the_other_pod_at_once(interrupted):
     """The other pod's worker meets the closed connection in its next all-reduce and says so in one
-    line, with gloo's words (common.failures), its torchrun with exit 1: the Job fails and the JobSet
+    line, with gloo's words (common.parallel.failures), its torchrun with exit 1: the Job fails and the JobSet
     restarts both pods, instead of waiting out --dist-timeout."""
     _, found = interrupted
     codes, seconds, exits = found["crash"]

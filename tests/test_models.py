@@ -1,4 +1,4 @@
-"""common/models.py: every name trains, and each model has the shape, size and cost its source gives."""
+"""common/recipe/models.py: every name trains, and each model has the shape, size and cost its source gives."""
 
 import re
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.errors import UserError
-from common.models import BasicBlock, build_model, model_names
+from common.recipe.models import BasicBlock, build_model, model_names
 
 ALL_NAMES = model_names() + ["torchvision:resnet18", "torchvision:mobilenet_v3_small"]
 

@@ -1,4 +1,4 @@
-"""The check of transfers between GPUs (common.data_parallel, train_dp.py's and check_gpus.py's), on a CPU.
+"""The check of transfers between GPUs (common.parallel.data_parallel, train_dp.py's and check_gpus.py's), on a CPU.
 
 Broken peer-to-peer can corrupt a copy or hang it, so the check runs in a spawned child that is
 killed when a step hangs. The child's function is injected: module-level functions below that pass,
@@ -17,15 +17,15 @@ import pytest
 import torch
 from helpers import ROOT
 
-import common.data_parallel
-from common.data_parallel import (
+import common.parallel.data_parallel
+from common.errors import UserError
+from common.parallel.data_parallel import (
     PEER_ADVICE,
     broken_nccl_transfers,
     broken_peer_copies,
     check_peer_copies,
     data_parallel_transfers,
 )
-from common.errors import UserError
 
 GPUS = [torch.device("cuda", i) for i in range(3)]  # only names: the injected checks never touch a GPU
 CPUS = [torch.device("cpu", i) for i in range(3)]  # devices a CPU can really copy between
@@ -117,7 +117,7 @@ def test_every_ordered_pair_is_copied_and_a_wrong_one_named(monkeypatch):
     def zeros_into_cpu_2(values, source, target):  # what an IOMMU in the way delivers: right size, wrong data
         return torch.zeros_like(values) if target.index == 2 else values.clone()
 
-    monkeypatch.setattr(common.data_parallel, "peer_copy", zeros_into_cpu_2)
+    monkeypatch.setattr(common.parallel.data_parallel, "peer_copy", zeros_into_cpu_2)
     assert broken_peer_copies(CPUS, steps.append) == [(CPUS[0], CPUS[2]), (CPUS[1], CPUS[2])]
     assert steps == [f"the copy cpu:{a} -> cpu:{b}" for a in range(3) for b in range(3) if a != b]
 
@@ -145,7 +145,7 @@ def test_a_wrong_nccl_broadcast_or_sum_is_named(monkeypatch):
 
 
 def test_a_wrong_nccl_transfer_stops_train_dp_with_the_p2p_advice(monkeypatch):
-    monkeypatch.setattr(common.data_parallel, "run_transfer_check",
+    monkeypatch.setattr(common.parallel.data_parallel, "run_transfer_check",
                         lambda devices, timeout, check: ([], ["NCCL's reduce_add cuda:1, cuda:2 -> cuda:0"]))
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     with pytest.raises(UserError, match="^error: NCCL's reduce_add cuda:1, cuda:2 -> cuda:0 returned wrong data, "
@@ -157,8 +157,8 @@ def test_a_wrong_nccl_transfer_stops_train_dp_with_the_p2p_advice(monkeypatch):
 
 
 def test_the_default_check_is_all_of_data_parallels_transfers(monkeypatch):
-    monkeypatch.setattr(common.data_parallel, "broken_peer_copies", lambda devices, started: ["copies"])
-    monkeypatch.setattr(common.data_parallel, "broken_nccl_transfers", lambda devices, started: ["nccl"])
+    monkeypatch.setattr(common.parallel.data_parallel, "broken_peer_copies", lambda devices, started: ["copies"])
+    monkeypatch.setattr(common.parallel.data_parallel, "broken_nccl_transfers", lambda devices, started: ["nccl"])
     assert data_parallel_transfers(GPUS, print) == (["copies"], ["nccl"])
 
 

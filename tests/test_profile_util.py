@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import DATA, run
 
-from common import utilisation
-from common.tracking import log_line
-from common.utilisation import GpuBusy, utilisation_figures
+from common.observe import utilisation
+from common.observe.tracking import log_line
+from common.observe.utilisation import GpuBusy, utilisation_figures
 
 FLAGS = [*DATA, "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]
 
@@ -64,13 +64,13 @@ def test_profile_attributes_each_step_s_time_to_what_the_loop_called(profiled):
         rows[found.group(1)] = (float(found.group(2)), float(found.group(3)))
     times = [cpu for _, cpu in rows.values()]
     assert times == sorted(times, reverse=True), rows
-    for caller in ("the backward (autograd's engine)", "common/models.py: forward", "data/transform.py: train",
-                   "accelerate/optimizer.py: step", "common/step_guard.py: check"):
+    for caller in ("the backward (autograd's engine)", "common/recipe/models.py: forward", "common/data/transform.py: train",
+                   "accelerate/optimizer.py: step", "common/parallel/step_guard.py: check"):
         assert caller in rows, (caller, rows)
     # ResNet-20: the forward and backward of its 19 convolutions are most of the step, each op counted once
-    model = rows["the backward (autograd's engine)"][1] + rows["common/models.py: forward"][1]
+    model = rows["the backward (autograd's engine)"][1] + rows["common/recipe/models.py: forward"][1]
     assert model > 0.8 * sum(times), rows
-    assert rows["common/models.py: forward"][0] >= 19 * 3  # a convolution, a norm and an activation each
+    assert rows["common/recipe/models.py: forward"][0] >= 19 * 3  # a convolution, a norm and an activation each
 
 
 def test_a_cpu_run_says_why_it_has_no_gpu_utilisation(profiled):

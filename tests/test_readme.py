@@ -15,7 +15,7 @@ from helpers import ROOT, make
 from test_copy_set import module_file, reached
 
 from common.cli import DEFAULT_LR, add_ddp_args, build_parser
-from common.optim import build_optimizer, build_scheduler
+from common.recipe.optim import build_optimizer, build_scheduler
 
 README = (ROOT / "README.md").read_text()
 TINY_DATA = "--dataset synthetic --synthetic-train-size 256 --synthetic-test-size 64 --model resnet20"

@@ -19,7 +19,8 @@ import torch
 from accelerate import Accelerator
 from helpers import ROOT, run, tree_digest
 
-from common.checkpoints import (
+from common.errors import UserError
+from common.run.checkpoints import (
     TrainProgress,
     checkpoint_problem,
     file_crc32,
@@ -27,9 +28,8 @@ from common.checkpoints import (
     resume_from,
     save_checkpoint,
 )
-from common.errors import UserError
-from common.run_folder import lock_run_and_find_resume
-from common.run_lock import JOB_FILE, LOCK_FILE, RunLock, lock_run_folder
+from common.run.folder import lock_run_and_find_resume
+from common.run.lock import JOB_FILE, LOCK_FILE, RunLock, lock_run_folder
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]
@@ -333,7 +333,7 @@ def test_without_flock_the_file_alone_is_the_lock(tmp_path, monkeypatch, capsys)
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("common.run_lock.fcntl.flock", no_flock)
+    monkeypatch.setattr("common.run.lock.fcntl.flock", no_flock)
     out = tmp_path / "run"
     out.mkdir()
     lock = out / LOCK_FILE
@@ -383,7 +383,7 @@ def test_a_forked_child_does_not_release_the_lock(tmp_path):
 
 def test_the_lock_is_released_when_a_process_stops_with_a_user_error(tmp_path):
     out = tmp_path / "runs" / "new"
-    code = ("import sys; from common.run_lock import lock_run_folder; from common.errors import UserError; "
+    code = ("import sys; from common.run.lock import lock_run_folder; from common.errors import UserError; "
             "lock_run_folder(sys.argv[1]); raise UserError('--model resnet99: no such model')")
     done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)

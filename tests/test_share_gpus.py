@@ -14,10 +14,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 
-from common import launch
 from common.cli import Parser, add_ddp_args
 from common.errors import UserError
-from common.tracking import start_line
+from common.observe.tracking import start_line
+from common.parallel import launch
 
 OLD, NEW = (2, 28, 9), (2, 30, 7)  # the GPU machines' torch 2.11; torch 2.14's bundled NCCL
 

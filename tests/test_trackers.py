@@ -104,12 +104,12 @@ def test_a_tracker_whose_package_is_missing_is_one_warning(tmp_path):
 
 
 def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
-    """common.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
+    """common.parallel.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
     no run object, and its finish() (mlflow.end_run()) would record the run as FINISHED."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from common.failures import end_tracking_failed
+    from common.parallel.failures import end_tracking_failed
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -125,7 +125,7 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
 
 
 def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():
-    from common.run_record import MAX_PARAM_CHARS, flat_config
+    from common.run.record import MAX_PARAM_CHARS, flat_config
 
     flat = flat_config({"args": {"lr": 0.1, "milestones": [4, 9], "resume": None, "tf32": True},
                         "classes": ["airplane"] * 1000})  # 1,000 class names: over MLflow's limit

@@ -6,7 +6,7 @@ import pytest
 from helpers import run, wandb_runs
 from wandb_records import offline_run
 
-from common.tracking import has_wandb_credentials, track
+from common.observe.tracking import has_wandb_credentials, track
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--model", "resnet20", "--batch-size", "64"]

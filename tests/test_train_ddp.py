@@ -17,8 +17,8 @@ from probe_counts import per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
 from common.errors import UserError
-from common.launch import check_world_size
-from common.models import build_model
+from common.parallel.launch import check_world_size
+from common.recipe.models import build_model
 
 BIN = Path(sys.executable).parent
 ACCELERATE = (str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "4gpu.yaml"),
@@ -111,7 +111,7 @@ def assert_agrees(out: Path, done, one_process: dict, checkpoints: list[int], sh
 
     # One writer: one run record, one wandb run, checkpoints holding both processes' RNG states,
     # no leftovers.
-    # .job: the launched job that took the folder, for its restarted workers (common/run_lock.py); no
+    # .job: the launched job that took the folder, for its restarted workers (common/run/lock.py); no
     # launcher, no job
     assert sorted(p.name for p in out.iterdir()) == [".checkpoints-written", *[".job"] * launched, "checkpoints",
                                                      "config.json", "metrics.jsonl", "model.safetensors", "wandb"]
@@ -279,7 +279,7 @@ def convolutions(probe_file: Path) -> dict:
 
 def check_evaluation(weights_file: Path, evaluated: str, logged: dict) -> None:
     """evaluate.py's overall and per-class counts and the run's logged accuracy against a count made
-    here without common.evaluation (tests/probe_counts.py), on the 301 test images of BRIEF_DATA."""
+    here without common.recipe.evaluation (tests/probe_counts.py), on the 301 test images of BRIEF_DATA."""
     test = make_synthetic(128, 301)
     counts = per_class(predictions(weights_file, test.test_images), test.test_labels, 10)
     assert sum(c > 0 for c, _ in counts) >= 2, counts  # not one class predicted for every image

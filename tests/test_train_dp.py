@@ -16,11 +16,11 @@ from helpers import DATA, ROOT, TINY, assert_same_weights, run, weights
 from probe_counts import learnt, per_class, predictions, printed_per_class
 
 from common.data.synthetic import make_synthetic
-from common.data_parallel import data_parallel_devices, memory_report
 from common.errors import UserError
-from common.launch import check_batch_split
-from common.models import build_model
-from common.tracking import log_line
+from common.observe.tracking import log_line
+from common.parallel.data_parallel import data_parallel_devices, memory_report
+from common.parallel.launch import check_batch_split
+from common.recipe.models import build_model
 
 # DATA with fewer images (the last value of a flag wins): 16 steps an epoch at batch 32, of which the runs
 # train 3, with augmentation (the default); untracked, as no test here reads the tracking (wandb's offline
@@ -79,7 +79,7 @@ def test_evaluate_reproduces_the_accuracy_of_a_dp_run(learnt_dp_run):
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["step"] == 33
     done = run("evaluate.py", "--weights", out / "model.safetensors", *DATA)
-    # Counted again here, without common.evaluation: the test images, the weights, argmax == label.
+    # Counted again here, without common.recipe.evaluation: the test images, the weights, argmax == label.
     test = make_synthetic(1024, 300)
     counts = per_class(predictions(out / "model.safetensors", test.test_images), test.test_labels, 10)
     assert learnt(counts), counts  # not one class predicted for every image

@@ -20,7 +20,7 @@ from probe_counts import per_class, predictions, printed_per_class
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from common.checkpoints import MANIFEST, checkpoint_problem
+from common.run.checkpoints import MANIFEST, checkpoint_problem
 from common.data.synthetic import make_synthetic
 
 BIN = Path(sys.executable).parent

@@ -10,8 +10,8 @@ from helpers import DATA, ROOT, TINY, assert_same_weights, run, wandb_runs, weig
 from safetensors.torch import load_file
 from wandb_records import offline_run
 
-from common.models import build_model
-from common.weights import read_metadata, save_weights
+from common.recipe.models import build_model
+from common.run.weights import read_metadata, save_weights
 
 LOG_LINE = re.compile(r"^epoch=(\d+)/(\d+) step=(\d+) batch=(\d+) lr=\S+ train_loss=\d+\.\d{4} "
                       r"test_acc=(\d\.\d{4}) epoch_time_s=\S+ img_per_s=\d+ data_wait_frac=\d\.\d{3}$")
@@ -117,7 +117,7 @@ def test_resume_with_nothing_to_resume(tmp_path):
 
 
 def test_default_output_dir_is_new_for_each_run(tmp_path):
-    from common.run_folder import new_run_dir
+    from common.run.folder import new_run_dir
 
     first = new_run_dir("single", root=str(tmp_path))
     first.mkdir()

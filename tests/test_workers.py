@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from common.models import build_model
+from common.recipe.models import build_model
 
 FROZEN_BN = str(ROOT / "tests" / "frozen_bn.py")
 WORKERS = ["--loader", "workers", "--report-to", "none"]
@@ -272,7 +272,7 @@ def test_evaluate_reproduces_the_resnet50_accuracy_through_workers(resnet50_run)
     # count alone would not tell the images apart: the inputs do.
     files = evaluated_images(where / "evaluated.pt", weights_file, data[1] / "val", 224)
     assert sorted(files) == sorted(data[1].glob("val/*/*.jpg")), files
-    counts = counted_here(weights_file, files, 224)  # without common.evaluation
+    counts = counted_here(weights_file, files, 224)  # without common.recipe.evaluation
     correct = sum(c for c, _ in counts)
     assert evaluated(done) == (round(correct / 6, 4), correct, 6) and printed_per_class(done.stdout) == counts
     assert logged["test_acc"] == correct / 6
@@ -305,7 +305,7 @@ def evaluated_images(probe_file: Path, weights_file: Path, folder: Path, size: i
 
 
 def counted_here(weights_file: Path, files: list[Path], size: int) -> list[tuple[int, int]]:
-    """(correct, total) of each class on ``files``, counted without common.evaluation or common.data:
+    """(correct, total) of each class on ``files``, counted without common.recipe.evaluation or common.data:
     their views, labelled by their class folder, through tests/probe_counts.py."""
     classes = metadata(weights_file)["classes"]
     labels = torch.tensor([classes.index(path.parent.name) for path in files])

@@ -23,5 +23,5 @@
     workers     the workers loader: DataLoader workers decode and augment a sample at a time
     choice      which loader (--loader auto): the decoded size against the memory budget
 
-common.inputs builds a run's loaders from them in one call: load_inputs(options, accelerator).
+common.data.inputs builds a run's loaders from them in one call: load_inputs(options, accelerator).
 """

@@ -1,6 +1,6 @@
 """DataOptions: the values the input path is given, the data flags' and a few training flags'.
 
-common.data_flags.data_options(args) makes one from the parsed flags. Nothing in common/ but the
+common.data.flags.data_options(args) makes one from the parsed flags. Nothing in common/ but the
 flag modules (cli, data_flags) reads the argparse namespace, so what the input path depends on is
 this one record. The cache folder, --cache-dir or its default, is found and made here too:
 cache_folder(options.cache_dir).
@@ -15,7 +15,7 @@ from common.errors import UserError, first_line
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
-    """The data flags (common.data_flags), then the training flags the loaders read."""
+    """The data flags (common.data.flags), then the training flags the loaders read."""
 
     dataset: str  # cifar10, cifar100, synthetic or a Hub id (owner/name)
     data_dir: str | None  # a local copy, read instead of the Hub

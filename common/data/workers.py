@@ -146,9 +146,9 @@ class _WorkerInit:
     set_seed(args.seed) makes the same on every process: worker k of each process then draws the
     same numbers (checked, torch 2.14), so the process is added here. The signals: SLURM signals
     every process of a job, and a worker that died of one would fail the step the training
-    process finishes before it saves (common.step_guard.StepGuard). SIGTERM still ends a worker
-    once its training process is exiting (``_exiting``): multiprocessing terminates the workers
-    left then, and waits for them."""
+    process finishes before it saves (common.parallel.step_guard.StepGuard). SIGTERM still ends a
+    worker once its training process is exiting (``_exiting``): multiprocessing terminates the
+    workers left then, and waits for them."""
 
     def __init__(self, seed: int, process: int):
         self.seed, self.process, self.exiting = seed, process, _exiting()

@@ -1,7 +1,7 @@
 """The training scripts' input path, device or workers (--loader), chosen and built in one call.
 
     weights, data = load_data(args, accelerator, checkpoint)  # --pretrained's file, the loaders
-    data = load_inputs(data_options(args), accelerator)   # common.data_flags.data_options
+    data = load_inputs(data_options(args), accelerator)   # common.data.flags.data_options
     data.train_loader, data.test_loader   # batches of uint8 (B, 3, N, N) images and int64 labels
     data.transform.train(images, seed)    # to normalised float on the device (+ augmentation)
 
@@ -26,16 +26,16 @@ from common.data.choice import choose_loader
 from common.data.crops import crop_mode
 from common.data.decode import DEFAULT_IMAGE_SIZE, native_size
 from common.data.device import on_device, tensor_loader
+from common.data.flags import data_options
 from common.data.mixing import BatchMix
 from common.data.options import DataOptions
 from common.data.sources import open_source
 from common.data.stats import channel_stats, sample_stats
 from common.data.transform import BatchTransform
 from common.data.workers import default_workers, report_bad_images, worker_loader
-from common.data_flags import data_options
 from common.errors import UserError
-from common.failures import refused_together
-from common.pretrained import find_weights
+from common.parallel.failures import refused_together
+from common.recipe.pretrained import find_weights
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ def load_data(args, accelerator, checkpoint) -> tuple:
 
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:
-    """The loaders of ``options`` (common.data_flags.data_options) for ``accelerator``'s device and
+    """The loaders of ``options`` (common.data.flags.data_options) for ``accelerator``'s device and
     processes; one line and exit status 1 when the data or the flags cannot work (one line on N
     processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
     processes."""

@@ -36,9 +36,9 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
-from common.failures import main_alone
-from common.run_record import flat_config, write_config, write_metrics
-from common.utilisation import DataWait, GpuBusy, process_gpus, utilisation_figures
+from common.observe.utilisation import DataWait, GpuBusy, process_gpus, utilisation_figures
+from common.parallel.failures import main_alone
+from common.run.record import flat_config, write_config, write_metrics
 
 DEFAULT_PROJECT = "multigpu-cifar"
 # Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
@@ -66,7 +66,7 @@ def has_wandb_credentials() -> bool:
 class RunFolderTensorBoard(TensorBoardTracker):
     """Accelerate's TensorBoard tracker, told its folder when tracking starts: Accelerator() wants
     the folder of a tracker named "tensorboard" at once (a ValueError otherwise), and the run folder
-    is known only once it is locked (common.run_folder), after the Accelerator is made."""
+    is known only once it is locked (common.run.folder), after the Accelerator is made."""
 
     requires_logging_directory = False  # given to place(), before init_trackers starts it
 
@@ -146,7 +146,7 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
 
 def start_run(accelerator, script: str, args, config: dict, output_dir: Path, progress,
               where: str, data_line: str) -> None:
-    """A run's start: config.json (once per run, common.run_record.write_config), its trackers
+    """A run's start: config.json (once per run, common.run.record.write_config), its trackers
     started or continued (start_tracking, with --wandb-project, --run-name, --wandb-tags and
     --wandb-group from ``args``) and its first line (start_line). A collective: every process
     must call it."""
@@ -318,7 +318,7 @@ def log_line(m: dict) -> str:
 def start_line(script: str, where: str, config: dict, data_line: str, output_dir: Path) -> str:
     """The line a run starts with, from the named values of its ``config`` (config.json): the
     script, the model on ``where`` (its devices), the batch, the lr, the numerics, and the data,
-    of which ``data_line`` (common.inputs.Inputs.line) says the resolution and the loader."""
+    of which ``data_line`` (common.data.inputs.Inputs.line) says the resolution and the loader."""
     args = config["args"]
     precision = f"{config['mixed_precision']} " if "mixed_precision" in config else ""
     accumulated = f" x {config['grad_accum']} micro-batches" if config["grad_accum"] > 1 else ""
@@ -341,8 +341,8 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
 class EpochMeter:
     """One epoch's figures for its log line and metrics.jsonl: the training loss, the time, images
     per second, the share of the time spent waiting for batches (``wait``, a DataWait) and each
-    GPU's utilisation (common.utilisation). The loss is summed on the device and read once, at the
-    end of the epoch."""
+    GPU's utilisation (common.observe.utilisation). The loss is summed on the device and read
+    once, at the end of the epoch."""
 
     def __init__(self, device: torch.device, batch_size: int):
         self.device, self.batch_size, self.wait = device, batch_size, DataWait(device)

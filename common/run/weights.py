@@ -14,11 +14,11 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoints import CHECKPOINT_DIR, intact_advice
 from common.errors import UserError
-from common.failures import fail_together, from_main, why_not_written
-from common.files import atomic_write, check_file
-from common.run_record import unwritten_metrics
+from common.parallel.failures import fail_together, from_main, why_not_written
+from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
+from common.run.files import atomic_write, check_file
+from common.run.record import unwritten_metrics
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages

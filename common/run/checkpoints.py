@@ -23,9 +23,9 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import first_line
-from common.failures import agree, fail_alone, fail_together, from_main, why_not_written
-from common.files import fsync_dir, fsync_tree, write_json
-from common.run_record import check_resume_config, unwritten_metrics
+from common.parallel.failures import agree, fail_alone, fail_together, from_main, why_not_written
+from common.run.files import fsync_dir, fsync_tree, write_json
+from common.run.record import check_resume_config, unwritten_metrics
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"  # a checkpoint's files, sizes and digests, written last
@@ -322,8 +322,8 @@ class Checkpointer:
         return epoch_end or bool(self.every) and step % self.every == 0
 
     def save(self, step: int, epoch_end: bool, stop=None) -> Path | None:
-        """Save ``step`` when it is due or ``stop`` (common.step_guard.Stop) keeps it; the folder,
-        or None when nothing was written."""
+        """Save ``step`` when it is due or ``stop`` (common.parallel.step_guard.Stop) keeps it;
+        the folder, or None when nothing was written."""
         if stop is not None and not stop.saves:  # a non-finite loss: nothing of this step is kept
             return None
         if stop is None and not self.due(step, epoch_end):

@@ -14,9 +14,9 @@
 import torch
 from accelerate.utils import DistributedType
 
-from common.ema import mean_over_processes
 from common.errors import UserError
-from common.models import build_model
+from common.recipe.ema import mean_over_processes
+from common.recipe.models import build_model
 
 # The repeated blocks of the models --model takes: ours and torchvision's ResNets (BasicBlock,
 # Bottleneck), and torchvision's other classifiers (MobileNets, ShuffleNet, EfficientNets,
@@ -28,7 +28,7 @@ BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv
 
 def check_sharding(accelerator, sync_bn: bool) -> None:
     """Refuse a run that would not shard, or --sync-bn (a UserError; call it through
-    common.failures.refused_together for one line on N processes)."""
+    common.parallel.failures.refused_together for one line on N processes)."""
     if sync_bn:
         raise UserError("--sync-bn is train_ddp.py's: under FSDP2 each process normalises its own "
                         "slice and the running statistics are averaged over the processes every "
@@ -50,7 +50,8 @@ def wrap_each_block(accelerator, model: torch.nn.Module, name: str) -> None:
     if not found:
         raise UserError(f"--model {name} has no block train_fsdp.py knows how to shard one by one "
                         f"({', '.join(BLOCKS)}); sharded as one unit it would save no memory: "
-                        f"add its repeated block's class name to BLOCKS in common/sharding.py")
+                        "add its repeated block's class name to BLOCKS in "
+                        "common/parallel/fsdp.py")
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = found  # read by prepare()
 
 
@@ -64,7 +65,7 @@ def average_buffers(accelerator, model: torch.nn.Module) -> None:
 
 def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.Module | None:
     """A plain ``build_model(name, num_classes)`` holding the full weights of the sharded ``model``
-    on the main process (None on the others), for common.weights.save_final_weights. A
+    on the main process (None on the others), for common.run.weights.save_final_weights. A
     collective: every process must call it (Accelerate's get_state_dict all-gathers every shard;
     only the main process receives them, on the CPU)."""
     state = accelerator.get_state_dict(model)

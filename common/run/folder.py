@@ -2,7 +2,7 @@
 
 A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted, SLURM
 requeued or Kubernetes started again (TRAINING_JOB_ID) continues from the newest complete checkpoint
-of its folder by itself. The main process decides, holding the folder's lock (common/run_lock.py),
+of its folder by itself. The main process decides, holding the folder's lock (common/run/lock.py),
 and the other processes learn its decision.
 What a run has recorded is never replaced by a resume: an older checkpoint of a run that went on
 from it continues only in a new folder, and a run whose checkpoints are gone is not started again.
@@ -16,7 +16,9 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from common.checkpoints import (
+from common.errors import UserError
+from common.parallel.failures import fail_together
+from common.run.checkpoints import (
     CHECKPOINT_DIR,
     STEP_DIR,
     WROTE_CHECKPOINTS,
@@ -25,9 +27,7 @@ from common.checkpoints import (
     latest_checkpoint,
     latest_good_checkpoint,
 )
-from common.errors import UserError
-from common.failures import fail_together
-from common.run_lock import (
+from common.run.lock import (
     JOB_ID_VARIABLE,
     LOCK_FILE,
     RunLock,
@@ -36,7 +36,7 @@ from common.run_lock import (
     started_again_by_scheduler,
     this_job,
 )
-from common.weights import read_metadata
+from common.run.weights import read_metadata
 
 
 def new_run_dir(script: str, root: str = "runs") -> Path:

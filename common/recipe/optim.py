@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from common.models import classifier_name
+from common.recipe.models import classifier_name
 
 # --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
 # usual fine-tuning rate.

@@ -166,7 +166,8 @@ _WRAPPERS = ("torch/nn/modules/module.py", "tqdm/std.py", "contextlib.py")
 def _caller(event, script: str) -> str | None:
     """What the loop called to run ``event``, from its Python stack (innermost frame first): the
     frame below the loop's, through wrappers (a module's __call__, tqdm); the backward for an op
-    that autograd's engine ran (its stack is the forward's). Paths cut to their last two parts."""
+    that autograd's engine ran (its stack is the forward's). Paths from common/ on for ours
+    (common/recipe/models.py), else cut to their last two parts (accelerate/optimizer.py)."""
     parent, stack = event, None
     while parent is not None:
         if parent.name.startswith("autograd::engine"):
@@ -182,4 +183,7 @@ def _caller(event, script: str) -> str | None:
     inner = frames[:loop]
     called = next((f for f in reversed(inner) if not any(w in f for w in _WRAPPERS)), inner[-1])
     path, _, where = called.rpartition(".py(")
-    return f"{'/'.join(Path(path).parts[-2:])}.py: {where.split(': ', 1)[-1]}"
+    parts = Path(path).parts
+    ours = [i for i, name in enumerate(parts[:-1]) if name == "common"]
+    first = ours[-1] if ours else len(parts) - 2
+    return f"{'/'.join(parts[first:])}.py: {where.split(': ', 1)[-1]}"

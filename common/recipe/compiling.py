@@ -9,7 +9,7 @@ modes (Inductor's reduce-overhead, max-autotune) need, and how the scripts give 
   graph is compiled for fixed shapes (dynamic=False); evaluation's last, smaller batch is one more
   graph, recorded once.
 - no host sync inside the compiled region: the model alone is compiled; the loss is read a step
-  late on a GPU (common.step_guard).
+  late on a GPU (common.parallel.step_guard).
 - the learning rate: the optimizer step is not compiled, so a schedule changes no graph and
   recompiles nothing.
 - gradient accumulation is refused: CUDA graph trees replay into the same output buffers, and the

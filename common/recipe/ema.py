@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common.evaluation import evaluate
+from common.recipe.evaluation import evaluate
 
 WARMUP_POWER = 0.75  # timm ModelEmaV3's warm-up, with gamma 1
 
@@ -84,7 +84,7 @@ class WeightAverage:
         torch._foreach_copy_(self.average, held)
 
     def evaluate(self, model, *args) -> dict:
-        """common.evaluation.evaluate(model, *args) with the averaged weights in the model:
+        """common.recipe.evaluation.evaluate(model, *args) with the averaged weights in the model:
         {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
         if not self.decay:
             return {}

@@ -10,10 +10,10 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from common.compiling import compile_line
 from common.errors import UserError
-from common.failures import fail_together, from_main, why_not_written
-from common.files import atomic_write, write_json
+from common.parallel.failures import fail_together, from_main, why_not_written
+from common.recipe.compiling import compile_line
+from common.run.files import atomic_write, write_json
 
 
 def versions() -> dict[str, str]:

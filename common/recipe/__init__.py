@@ -1,0 +1,13 @@
+"""The recipe: what is trained and how, the same in every training script.
+
+    models      image classifiers built by name (ours, torchvision:NAME, timm:NAME)
+    pretrained  pretrained weights for fine-tuning: found offline, the head swapped, the inputs
+                they expect, the backbone frozen (--freeze backbone)
+    optim       the optimizer (SGD with Nesterov momentum, AdamW; the head's own lr) and the
+                learning-rate schedule (one-cycle or step decay), stepped once per optimizer step
+    numerics    how fp32 math runs (TF32, cuDNN's search, determinism) and AMP's 16-bit format
+    compiling   torch.compile of the model (--compile) through Accelerate's dynamo plugin
+    ema         weight averaging (--ema-decay): updated every step, evaluated, and written as
+                model.safetensors
+    evaluation  exact test accuracy, overall and per class, however many processes share it
+"""
