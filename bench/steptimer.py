@@ -9,10 +9,10 @@ the per-step times without a line of the scripts changing. Each process writes, 
 TIMES.<rank> (JSON): ``step_end``, the time.perf_counter() at the end of each step, and
 ``peak_rss_gb``, its peak resident memory (VmHWM), measured by the process itself, so no watcher
 takes CPU time from the run. At every step the scripts wait for the previous step's loss (the NaN
-check, common/parallel/step_guard.py), so the host stays within about a step of the device and, over the
-measured steps, these CPU times follow the device's pace. With fp16, GradScaler skips the
-optimizer step when the gradients overflow but updates its scale at every step, so a run that uses
-a scaler is timed by its scale updates instead.
+check, common/parallel/step_guard.py), so the host stays within about a step of the device and, over
+the measured steps, these CPU times follow the device's pace. With fp16, GradScaler skips the
+optimizer step when the gradients overflow but updates its scale at every step, so a run that uses a
+scaler is timed by its scale updates instead.
 
 ``data_wait`` holds each step's wait for its batch, as the scripts' common.observe.utilisation.DataWait measures
 it (the host clock on a CPU, CUDA events on a GPU), one value a step: the scripts log only its sum

@@ -1,5 +1,5 @@
-"""The docs' checkable claims: the README's Layout lists the modules on disk, docs/usage.md's
-example log line is what a run prints, and the code fits in 100-character lines.
+"""The docs' checkable claims: the README's "Where to change what" and Layout list the modules on
+disk, docs/usage.md's example log line is what a run prints, and the code fits in 100-character lines.
 
 Pure file reading plus a few cheap calls (the log line, the loaders' lengths, the schedule); no
 training, a few seconds in all.

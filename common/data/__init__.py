@@ -22,6 +22,6 @@
     device      the device loader: the decoded dataset held on the training device
     workers     the workers loader: DataLoader workers decode and augment a sample at a time
     choice      which loader (--loader auto): the decoded size against the memory budget
-
-common.data.inputs builds a run's loaders from them in one call: load_inputs(options, accelerator).
+    flags       the data and augmentation flags: added, checked, and DataOptions made of them
+    inputs      a run's loaders in one call (load_data, load_inputs), from all of the above
 """

@@ -14,7 +14,8 @@ this process's slice of the batch; nothing decoded is held, so any number of ima
 trains.
 
 --loader auto (the default) takes device when the decoded dataset fits the budget
-(common.data.choice). The modules of common.data, one job each, are listed in its __init__.py.
+(common.data.choice). The other modules of common.data, one job each, are listed in its
+__init__.py.
 """
 
 import dataclasses

@@ -1,9 +1,9 @@
 """DataOptions: the values the input path is given, the data flags' and a few training flags'.
 
 common.data.flags.data_options(args) makes one from the parsed flags. Nothing in common/ but the
-flag modules (cli, data_flags) reads the argparse namespace, so what the input path depends on is
-this one record. The cache folder, --cache-dir or its default, is found and made here too:
-cache_folder(options.cache_dir).
+flag modules (common/cli.py, common/data/flags.py) reads the argparse namespace, so what the input
+path depends on is this one record. The cache folder, --cache-dir or its default, is found and made
+here too: cache_folder(options.cache_dir).
 """
 
 import dataclasses

@@ -4,8 +4,8 @@ by every process, in the same order: the scripts mark those calls ``# ALL``.
     launch          the processes the launcher started, one per GPU, the batch cut in equal
                     slices; several processes on one GPU (--share-gpus)
     failures        a failure on one process stops all of them: agreed, said once, no hang
-    step_guard      after each optimizer step, whether every process stops (a signal, the time
-                    limit, a non-finite loss), and why
+    step_guard      after each optimizer step, whether every process stops (a stop signal: SLURM,
+                    Kubernetes, Ctrl-C; a non-finite loss; fp16's run of skipped steps), and why
     data_parallel   nn.DataParallel's GPUs: which ones, whether copies between them arrive
                     intact, their memory (train_dp.py)
     fsdp            FSDP2 through Accelerate for image classifiers (train_fsdp.py)

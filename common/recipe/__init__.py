@@ -5,7 +5,8 @@
                 they expect, the backbone frozen (--freeze backbone)
     optim       the optimizer (SGD with Nesterov momentum, AdamW; the head's own lr) and the
                 learning-rate schedule (one-cycle or step decay), stepped once per optimizer step
-    numerics    how fp32 math runs (TF32, cuDNN's search, determinism) and AMP's 16-bit format
+    numerics    how fp32 math runs (TF32, cuDNN's search, determinism), AMP's 16-bit format, and
+                a CPU's freed memory kept for reuse
     compiling   torch.compile of the model (--compile) through Accelerate's dynamo plugin
     ema         weight averaging (--ema-decay): updated every step, evaluated, and written as
                 model.safetensors
