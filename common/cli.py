@@ -10,7 +10,7 @@ from common.data.flags import add_augment_args, add_data_args, check_augment_arg
 from common.errors import UserError
 from common.observe.profiling import profile_steps
 from common.parallel.launch import SHARE_GPUS
-from common.recipe.compiling import COMPILE_BACKENDS, COMPILE_MODES, check_compile
+from common.recipe.compiling import COMPILE_CHOICES, COMPILE_MODES, check_compile
 from common.recipe.models import (
     TIMM_PREFIX,
     TORCHVISION_PREFIX,
@@ -152,18 +152,23 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initialisation, shuffling and augmentation "
                             "(default: %(default)s)")
-    train.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                       choices=COMPILE_BACKENDS,
-                       help="torch.compile the model, through Accelerate's dynamo plugin: with no "
-                            "BACKEND TorchInductor, or aot_eager to check that the model traces. "
-                            "Compiling takes about a minute at the start and again at the first "
-                            "evaluation; scripts/benchmark.py measures whether it pays on your "
-                            "machine (default: off)")
+    train.add_argument("--compile", nargs="?", const="inductor", default="auto", metavar="BACKEND",
+                       choices=COMPILE_CHOICES,
+                       help="torch.compile the model, through Accelerate's dynamo plugin: auto "
+                            "replays each step as CUDA graphs on a CUDA GPU (TorchInductor's "
+                            "reduce-overhead; without graphs with --grad-accum; eager with "
+                            "--deterministic, DataParallel or FSDP2) and trains eagerly on a CPU; "
+                            "none: eager; inductor (the value with no BACKEND) compiles; aot_eager "
+                            "checks that the model traces. The first launch compiles (about a "
+                            "minute), the next find the cache beside the run folders "
+                            "(runs/.compile-cache; TORCHINDUCTOR_CACHE_DIR overrides) "
+                            "(default: %(default)s)")
     train.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
-                       help="TorchInductor's mode, with --compile: reduce-overhead replays each "
-                            "step as CUDA graphs, for GPUs waiting on the host's kernel launches "
-                            "(small models and batches); max-autotune also tunes the kernels. "
-                            "On a CPU no CUDA graphs (default: %(default)s)")
+                       help="TorchInductor's mode, with --compile inductor: reduce-overhead "
+                            "replays each step as CUDA graphs, for GPUs waiting on the host's "
+                            "kernel launches (small models and batches); max-autotune also tunes "
+                            "the kernels. On a CPU no CUDA graphs (default: %(default)s; "
+                            "--compile auto picks its own)")
     train.add_argument("--max-steps", type=int, default=None,
                        help="stop after this many optimizer steps in all (counted from the start "
                             "of the run, resumes included), with a checkpoint; for tests and "

@@ -57,7 +57,7 @@ from common.observe.utilisation import peak_memory
 from common.parallel.failures import refused_together
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
 from common.parallel.step_guard import SkippedSteps, StepGuard, announce_stop
-from common.recipe.compiling import compile_plugin
+from common.recipe.compiling import set_up_compiling
 from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
@@ -94,7 +94,7 @@ def set_up(args) -> Accelerator:
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
         # AMP: prepare() autocasts the forward in fp16 or bf16 (refused where it cannot work)
         mixed_precision=choose_mixed_precision(args.mixed_precision),  # AMP: fp16: a GradScaler
-        dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
+        dynamo_plugin=set_up_compiling(args),  # prepare(): compile(); auto: CUDA graphs on GPUs
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.

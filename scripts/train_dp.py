@@ -25,10 +25,11 @@ train_single.py, each tagged "# DP:" (docs/diffs/train_dp.diff):
   criterion"), so GPU 0 gathers one number per GPU instead of every output.
 
 No --share-gpus (train_ddp.py's rehearsal of a launch on fewer GPUs): DataParallel needs a
-distinct GPU per replica. No --compile (the replicas are new copies of the model at every step)
-and no mixed precision: Accelerate's autocast is bound to the model that prepare() saw, which every
-replica would call, so DataParallel needs autocast inside each replica's thread and a hand-driven
-GradScaler, a second way to teach AMP; scripts/train_amp.py teaches it once, on DDP.
+distinct GPU per replica. No --compile (the replicas are new copies of the model at every step;
+--compile auto trains them eagerly) and no mixed precision: Accelerate's autocast is bound to the
+model that prepare() saw, which every replica would call, so DataParallel needs autocast inside
+each replica's thread and a hand-driven GradScaler, a second way to teach AMP; scripts/train_amp.py
+teaches it once, on DDP.
 
 The calls marked "# ALL" (train_single.py's docstring) are collectives with several processes; in
 this one process they are plain calls, marked so that the script reads as the others do.
@@ -57,7 +58,6 @@ from tqdm.auto import tqdm
 
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data.inputs import load_data
-from common.errors import UserError
 from common.observe.output import survive_closed_output
 from common.observe.profiling import StepProfiler
 from common.observe.tracking import (
@@ -71,7 +71,7 @@ from common.parallel.data_parallel import checked_gpus, memory_report
 from common.parallel.failures import refused_together
 from common.parallel.launch import launch_record, require_single_process
 from common.parallel.step_guard import StepGuard, announce_stop
-from common.recipe.compiling import compile_plugin
+from common.recipe.compiling import set_up_compiling
 from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
@@ -114,13 +114,11 @@ def set_up(args) -> Accelerator:
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
     require_single_process(__file__)
-    if args.compile:  # DP: the replicas are new copies of the model at every step, never compiled
-        raise UserError(f"--compile {args.compile}: not offered with DataParallel: use "
-                        f"train_ddp.py --compile")
     accelerator = Accelerator(  # ALL: where several processes make their process group
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
+        # DP: the replicas, new copies at every step, are never compiled (--compile BACKEND refused)
+        dynamo_plugin=set_up_compiling(args, model_is="replicas"),
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.

@@ -68,7 +68,7 @@ from common.parallel.failures import refused_together
 from common.parallel.fsdp import average_buffers, check_sharding, gathered_model, wrap_each_block
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
 from common.parallel.step_guard import StepGuard, announce_stop
-from common.recipe.compiling import compile_plugin
+from common.recipe.compiling import set_up_compiling
 from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
@@ -101,7 +101,8 @@ def set_up(args) -> Accelerator:
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
+        # FSDP: --compile auto leaves a model sharded for its size eager (not launch-bound)
+        dynamo_plugin=set_up_compiling(args, model_is="shards"),
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.

@@ -8,6 +8,8 @@ The other scripts are this file plus only what their strategy needs; read them a
 - SGD with Nesterov momentum and a one-cycle (default) or step learning-rate schedule, its peak
   scaled with the global batch (--scale-lr); optional gradient clipping (--clip-grad);
 - channels_last memory format (--no-channels-last to turn it off);
+- on a CUDA GPU each step replayed as CUDA graphs (--compile auto: the step is launch-bound there),
+  compiled once per machine and model (runs/.compile-cache); --compile none for eager;
 - evaluation on the test split, one log line and one metrics.jsonl record per epoch;
 - gradient accumulation (--grad-accum N) through accelerator.accumulate: N micro-batches per step;
 - full training state saved every epoch with save_state, and --resume that continues bit for bit;
@@ -54,7 +56,7 @@ from common.observe.utilisation import peak_memory
 from common.parallel.failures import refused_together
 from common.parallel.launch import launch_record, require_single_process
 from common.parallel.step_guard import StepGuard, announce_stop
-from common.recipe.compiling import compile_plugin
+from common.recipe.compiling import set_up_compiling
 from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
@@ -85,7 +87,7 @@ def set_up(args) -> Accelerator:
     accelerator = Accelerator(  # ALL: where several processes make their process group
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        dynamo_plugin=compile_plugin(args.compile, args.compile_mode),  # prepare(): compile()
+        dynamo_plugin=set_up_compiling(args),  # prepare(): compile(); auto: CUDA graphs on GPUs
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.

@@ -79,9 +79,10 @@ class Zygote:
     lock = threading.Lock()
     # Variables read while python starts or torch, torchvision, accelerate and what they import
     # are imported (TORCH_LOGS, OMP_NUM_THREADS, PYTHONHASHSEED, TMPDIR, accelerate's config path
-    # from HF_HOME ...): a run that sets them otherwise than the zygote had them starts cold.
+    # from HF_HOME, Inductor's C++ compiler from CXX ...): a run that sets them otherwise than the
+    # zygote had them starts cold.
     IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA", "NCCL", "ACCELERATE",
-                   "LD_", "TRITON", "TQDM_", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "HOME", "LANG", "LC_")
+                   "LD_", "TRITON", "TQDM_", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "HOME", "LANG", "LC_", "CXX")
 
     @classmethod
     def can_run(cls, env: dict) -> bool:

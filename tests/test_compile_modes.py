@@ -1,16 +1,31 @@
-"""--compile-mode: a CUDA-graph mode runs on a CPU (Inductor's CPU code, no graphs) and trains as eager
-does; what the CUDA graphs need of the loop holds: a schedule recompiles nothing, evaluation's last,
-smaller batch is one more graph. The refusals (other backends, --grad-accum) are in test_bad_input.py;
-the mode on a GPU, with CUDA graphs, in test_gpu.py."""
+"""--compile and --compile-mode: auto chooses CUDA graphs on a GPU only, says so and why; the compiler's
+cache goes beside the run folders; a model that fails to compile stops in one line whose advice trains it.
+A CUDA-graph mode runs on a CPU (Inductor's CPU code, no graphs) and trains as eager does; what the CUDA
+graphs need of the loop holds: a schedule recompiles nothing, evaluation's last, smaller batch is one more
+graph. The refusals (other backends, --grad-accum) are in test_bad_input.py; the mode on a GPU, with CUDA
+graphs, in test_gpu.py."""
 
+
+import argparse
+import json
+import os
+import re
+import sys
 
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import TorchDynamoPlugin
+from helpers import DATA, run
 from torch._dynamo.utils import counters
 
-from common.recipe.compiling import compile_line, compile_plugin
+from common.errors import UserError
+from common.recipe.compiling import TORCH_DEFAULT, chosen, compile_line, set_up_compiling
+
+# two steps of the smallest model, in a new run folder under the working directory's runs/
+TINY_RUN = [*DATA, "--model", "resnet20", "--batch-size", "16", "--epochs", "1", "--max-steps", "2",
+            "--report-to", "none"]
 
 
 @pytest.fixture
@@ -56,7 +71,8 @@ def test_reduce_overhead_on_a_cpu_trains_as_eager_and_a_schedule_recompiles_noth
     eager = small_model()
     reference = train(eager, *optimizer_and_schedule(eager), batches)
 
-    accelerator = Accelerator(cpu=True, dynamo_plugin=compile_plugin("inductor", "reduce-overhead"))
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="reduce-overhead",
+                                                                        dynamic=False))
     assert accelerator.state.dynamo_plugin.to_kwargs() == {"backend": "inductor", "mode": "reduce-overhead", "dynamic": False}
     model = small_model()
     model, optimizer, scheduler = accelerator.prepare(model, *optimizer_and_schedule(model))
@@ -75,14 +91,74 @@ def test_reduce_overhead_on_a_cpu_trains_as_eager_and_a_schedule_recompiles_noth
     assert counters["stats"]["unique_graphs"] == graphs[0] + 2  # evaluation: batch 16, then 5
 
 
-def test_the_start_line_says_what_the_mode_does_on_the_device():
-    assert compile_line(None, "default", "cpu") is None
-    assert compile_line("inductor", "reduce-overhead", "cpu") == (
+def flags(compile="auto", mode="default", grad_accum=1, deterministic=False, output_dir=None):
+    return argparse.Namespace(compile=compile, compile_mode=mode, grad_accum=grad_accum,
+                              deterministic=deterministic, output_dir=output_dir)
+
+
+@pytest.mark.parametrize("given, cuda, model_is, expected", [
+    (flags(), False, "whole", (None, "default")),  # a CPU run stays eager
+    (flags(), True, "whole", ("inductor", "reduce-overhead")),  # a GPU: CUDA graphs
+    (flags(grad_accum=2), True, "whole", ("inductor", "default")),  # no graphs with accumulation
+    (flags(deterministic=True), True, "whole", (None, "default")),  # eager's kernels
+    (flags(), True, "replicas", (None, "default")),  # DataParallel
+    (flags(), True, "shards", (None, "default")),  # FSDP2
+    (flags("none"), True, "whole", (None, "default")),  # the old behaviour, asked for
+    (flags("inductor", "max-autotune"), False, "whole", ("inductor", "max-autotune")),  # as given
+    (flags("aot_eager"), True, "shards", ("aot_eager", "default")),
+])
+def test_auto_compiles_with_cuda_graphs_on_a_gpu_only(given, cuda, model_is, expected):
+    assert chosen(given, cuda, model_is) == expected
+
+
+def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/runs/.compile-cache")
+    assert compile_line({"compile": "none"}, "cuda:0", None, "default") is None
+    assert compile_line({"compile": "auto"}, "cpu", None, "default") == (
+        "--compile auto: eager (no GPU); --compile inductor compiles")
+    assert compile_line({"compile": "auto"}, "cuda:0", None, "default").startswith(
+        "--compile auto: eager (no CUDA graphs without a whole model per process, --grad-accum 1")
+    assert compile_line({"compile": "auto"}, "cuda:0", "inductor", "reduce-overhead") == (
+        "--compile auto: the model compiled at its first step and first evaluation, its steps replayed as CUDA "
+        "graphs; cached in /runs/.compile-cache; auto: a small model's step waits on kernel launches; "
+        "--compile none for eager")
+    assert compile_line({"compile": "inductor"}, "cpu", "inductor", "reduce-overhead") == (
         "--compile inductor --compile-mode reduce-overhead: no CUDA graphs on cpu: Inductor compiles its cpu "
-        "code as in --compile-mode default")
-    assert compile_line("inductor", "max-autotune", "cpu").endswith("as in --compile-mode max-autotune-no-cudagraphs")
-    assert compile_line("inductor", "reduce-overhead", "cuda:0") == (
-        "--compile inductor --compile-mode reduce-overhead: the model compiled at its first step and first "
-        "evaluation, its steps replayed as CUDA graphs")
-    assert compile_plugin(None).backend.value == "NO"  # no compiling, whatever the Accelerate config says
-    assert compile_plugin("inductor").to_kwargs() == {"backend": "inductor"}  # default mode, shapes left to dynamo
+        "code as in --compile-mode default; cached in /runs/.compile-cache")
+    assert compile_line({"compile": "inductor"}, "cpu", "inductor", "max-autotune").endswith(
+        "as in --compile-mode max-autotune-no-cudagraphs; cached in /runs/.compile-cache")
+
+
+def test_the_cache_goes_beside_the_run_folders_unless_the_user_chose_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # set_up_compiling installs its own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT)  # as importing torch._dynamo sets it
+    assert set_up_compiling(flags("none")).backend.value == "NO"  # eager: nothing changed
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == TORCH_DEFAULT
+    plugin = set_up_compiling(flags("inductor", output_dir=str(tmp_path / "runs" / "mine")))
+    assert plugin.to_kwargs() == {"backend": "inductor"}  # default mode, shapes left to dynamo
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "runs" / ".compile-cache")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # the user's
+    assert set_up_compiling(flags("inductor", "reduce-overhead")).to_kwargs() == {
+        "backend": "inductor", "mode": "reduce-overhead", "dynamic": False}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=r"--compile inductor: not offered with DataParallel .*: use train_ddp.py"):
+        set_up_compiling(flags("inductor"), model_is="replicas")
+
+
+def test_a_model_that_fails_to_compile_stops_in_one_line_and_its_advice_trains_it(tmp_path):
+    """A real compiler failure (Inductor's C++ compiler is /bin/false): one line naming --compile none, exit
+    1, the run's cache beside its folder; the same command with --compile none, as the line says, trains."""
+    command = [*TINY_RUN, "--compile"]
+    failed = run("train_single.py", *command, cwd=tmp_path, env_extra={"CXX": "/bin/false"}, check=False)
+    assert failed.returncode == 1, failed.stderr
+    last = re.split(r"[\r\n]", failed.stderr.strip())[-1].strip()  # after the progress bar's clearing
+    assert re.fullmatch(r"error: --compile inductor could not compile the model \(InductorError: "
+                        r"InvalidCxxCompiler: .*\): --compile none trains it without compiling", last), last
+    assert "Traceback" not in failed.stderr
+    config = json.loads(next((tmp_path / "runs").glob("train_single-*/config.json")).read_text())
+    assert config["compile"].endswith(f"cached in {tmp_path / 'runs' / '.compile-cache'}")
+    assert (tmp_path / "runs" / ".compile-cache").is_dir()
+    advice = re.search(r"(--compile none)", last).group(1).split()
+    done = run("train_single.py", *command, *advice, cwd=tmp_path, env_extra={"CXX": "/bin/false"})
+    assert "done: step 2" in done.stdout
+    assert "--compile" not in done.stdout.split("\n")[1]  # an eager run asked for says nothing of compiling

@@ -10,6 +10,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from accelerate.state import AcceleratorState
+
 from common.errors import UserError
 from common.parallel.failures import fail_together, from_main, why_not_written
 from common.recipe.compiling import compile_line
@@ -38,9 +40,11 @@ def git_commit() -> str | None:
 
 def run_config(flags: dict, derived: dict) -> dict:
     """The resolved flags, what was derived from them and the environment: config.json and wandb.
-    With --compile, what it does on the device (``derived["device"]``)."""
-    compiled = compile_line(flags.get("compile"), flags.get("compile_mode", "default"),
-                            derived.get("device", ""))
+    What --compile does on the device (``derived["device"]``), from the plugin prepare() uses."""
+    plugin = AcceleratorState().dynamo_plugin
+    backend = None if plugin is None or plugin.backend.value == "NO" else plugin.backend.value
+    compiled = compile_line(flags, derived.get("device", ""), backend and backend.lower(),
+                            plugin.mode if backend else "default")
     return {"args": flags, **derived, **({"compile": compiled} if compiled else {}),
             "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
 
