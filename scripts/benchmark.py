@@ -21,6 +21,13 @@ question: how throughput and memory change with the batch size.
 
 Checks (--checks), the project's speed targets, each a ratio of two things measured side by
 side here:
+    tta         time to accuracy: the defaults and the fastest configuration, each launched on the
+                built-in data to its done line: wall time, test accuracy, and for those that
+                compile the second launch's, from the compiler's cache (bench/time_to_accuracy.py);
+                reported as measured
+    ops         train_single's steady step dispatches at most 8 operators more than a plain loop
+                with the same data work (the surplus named op by op; bench/opcount.py); on a GPU
+                also the CUDA runtime calls per step, eager and with the defaults, reported
     overhead    train_single's steady img/s >= 0.97 x a plain PyTorch loop (same model, optimizer,
                 batch, channels_last layout and cuDNN search, data on the device;
                 bench/tools.py PlainLoop)
@@ -81,7 +88,7 @@ from pathlib import Path
 
 import torch
 
-from bench import finetune, loaders, steptimer, tools
+from bench import finetune, loaders, opcount, steptimer, time_to_accuracy, tools
 from common.cli import Parser
 from common.data.synthetic import make_synthetic
 from common.data.workers import default_workers
@@ -94,8 +101,8 @@ from common.run.folder import new_run_dir
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP_CONFIG = "accelerate_configs/4gpu.yaml"  # --num_processes on the command line overrides its 4
-CHECKS = ("overhead", "data", "loader", "workers", "precision", "compute", "compile", "ema",
-          "watch", "finetune")
+CHECKS = ("tta", "ops", "overhead", "data", "loader", "workers", "precision", "compute",
+          "compile", "ema", "watch", "finetune")
 EMA_DECAY = 0.999  # the ema check's --ema-decay (the update's cost does not depend on it)
 EPOCH_IMAGES = 50_000  # CIFAR-10's training split
 # steps left out of every measurement: the first allocates, tunes kernels, fills caches
@@ -148,13 +155,20 @@ def available_strategies(gpus: int) -> dict[str, Strategy]:
                          ("--mixed-precision", "bf16")),
                 Strategy("ddp2", "train_ddp, 2 processes on gloo, fp32", "train_ddp.py", 2, 1)]
         return {s.name: s for s in rows}
-    rows = [Strategy("single", "train_single, 1 GPU, fp32", "train_single.py", 1, 1)]
+    # Eager (--compile none): the rows compare strategies, and --compile auto would compile each
+    # (CUDA graphs) and its steps would not compare with the eager plain loop's. `defaults` is
+    # train_single as a user runs it (CUDA graphs); bf16-graphs the fastest configuration.
+    eager = ("--compile", "none")
+    rows = [Strategy("single", "train_single, 1 GPU, fp32, eager", "train_single.py", 1, 1,
+                     flags=eager),
+            Strategy("defaults", "train_single, 1 GPU, the defaults (--compile auto: CUDA graphs)",
+                     "train_single.py", 1, 1)]
     if gpus > 1:
         rows.append(Strategy("dp", f"train_dp, DataParallel on {gpus} GPUs, fp32",
                              "train_dp.py", 1, gpus))
     counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n < gpus} | ({gpus} - {1}))
-    rows += [Strategy(f"ddp{n}", f"train_ddp, DDP on {n} GPUs, fp32", "train_ddp.py", n, n)
-             for n in counts]
+    rows += [Strategy(f"ddp{n}", f"train_ddp, DDP on {n} GPUs, fp32", "train_ddp.py", n, n,
+                      flags=eager) for n in counts]
     if gpus > 1:  # sharded against DDP on the same GPUs: img/s and peak memory per GPU
         rows.append(Strategy(f"fsdp{gpus}", f"train_fsdp, FSDP2 on {gpus} GPUs, fp32",
                              "train_fsdp.py", gpus, gpus))
@@ -162,7 +176,7 @@ def available_strategies(gpus: int) -> dict[str, Strategy]:
         name = f"ddp{gpus}-{precision}" if gpus > 1 else precision
         where = f"DDP on {gpus} GPUs" if gpus > 1 else "1 GPU"
         rows.append(Strategy(name, f"train_amp, {where}, {precision}", "train_amp.py", gpus, gpus,
-                             precision, ("--mixed-precision", precision)))
+                             precision, ("--mixed-precision", precision, *eager)))
     if tools.native_bf16():  # each step replayed as CUDA graphs: no per-kernel launch cost
         rows.append(Strategy("bf16-graphs", "train_amp, 1 GPU, bf16, CUDA graphs (--compile "
                              "--compile-mode reduce-overhead)", "train_amp.py", 1, 1, "bf16",
@@ -176,8 +190,8 @@ def parse_args(argv=None):
     parser.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
                         help="rows to run (default: every one this machine can run: "
                              "single bf16 ddp2 on a CPU; "
-                             "single dp ddp2 ddp4 ... ddpN-fp16 ddpN-bf16 bf16-graphs with N "
-                             "GPUs)")
+                             "single defaults dp ddp2 ddp4 ... ddpN-fp16 ddpN-bf16 bf16-graphs "
+                             "with N GPUs)")
     parser.add_argument("--model", default="resnet18",
                         help="as in the training scripts (default: %(default)s)")
     parser.add_argument("--per-device-batch-size", type=int, default=128,
@@ -206,6 +220,9 @@ def parse_args(argv=None):
     parser.add_argument("--checks", nargs="+", default=["all"], choices=("all", "none", *CHECKS),
                         help="ratio checks to run after the rows; all is every one but "
                              "finetune (default: all)")
+    parser.add_argument("--tta-flags", default="", metavar="FLAGS",
+                        help="flags added to each of the tta check's runs, in one string, e.g. "
+                             "\"--epochs 1\" (default: none, the configurations as they are)")
     parser.add_argument("--finetune-flags", nargs="+", default=list(finetune.VARIANTS),
                         choices=finetune.VARIANTS, metavar="NAME",
                         help="the finetune check's flags, by name: "
@@ -871,9 +888,14 @@ def main(args):
         inputs = input_paths(checks, args, steps, gpus, device, Path(workdir)) \
             if {"loader", "workers"} & set(checks) else {}
         tuned = finetune_checks(args, steps, gpus, Path(workdir)) if "finetune" in checks else []
+        # first in the report: what a user waits for, and what a step costs beyond the model
+        first = (time_to_accuracy.tta_check(gpus, Path(workdir), args.tta_flags.split(), args.timeout)
+                 if "tta" in checks else [])
+        first += (opcount.ops_check(args.model, args.per_device_batch_size, device, Path(workdir),
+                                    args.timeout) if "ops" in checks else [])
     single = next((r for r in rows if r["name"] == "single"), {})
-    results = (run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs)
-               if checks else []) + tuned
+    results = first + (run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs)
+                       if checks else []) + tuned
 
     report = {"title": f"{args.model}, {args.dataset}", "model": args.model,
               "dataset": args.data_dir or args.dataset, "started": started,

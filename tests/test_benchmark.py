@@ -36,7 +36,8 @@ from PIL import Image
 BATCH, STEPS, FILES = 8, 4, 32
 TINY = ["--model", "resnet20", "--per-device-batch-size", BATCH, "--steps", STEPS, "--repeats", 1,
         "--strategies", "single", "ddp2",
-        "--checks", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "finetune",
+        "--checks", "tta", "ops", "overhead", "data", "loader", "precision", "compute", "ema", "watch", "finetune",
+        "--tta-flags", '"--epochs 1 --synthetic-train-size 256 --synthetic-test-size 64"',
         "--finetune-flags", "freeze", "tensorboard", "--loader-images", "256", "--loader-files", FILES,
         "--matmul-size", "256", "--sweep-batch-size", BATCH]
 
@@ -111,8 +112,8 @@ def test_rows_launch_the_real_scripts_and_follow_the_protocol(report):
 def test_checks_state_each_ratio_against_its_target(report):
     _, result, stdout = report
     checks = {c["check"].split(":")[0]: c for c in result["checks"]}
-    assert set(checks) == {"overhead", "data", "data wait", "loader", "precision", "compute", "ema", "watch",
-                           "finetune"}
+    assert set(checks) == {"tta", "ops", "overhead", "data", "data wait", "loader", "precision", "compute", "ema",
+                           "watch", "finetune"}
     assert checks["overhead"]["target"] == ">= 0.97x" and checks["data"]["target"] == ">= 5x"
     assert checks["data wait"]["target"] == "< 2 %" and checks["precision"]["target"] == ">= 1.8x"
     assert checks["compute"]["target"] == ">= 85 %"
@@ -151,6 +152,31 @@ def test_checks_state_each_ratio_against_its_target(report):
     assert watch["value"] == pytest.approx(statistics.median(w / p for w, p in zip(watched, plain)))
     assert 0 < watch["question_s"] < 0.01 and f"one question to the store {watch['question_s'] * 1e6:.0f} us" \
         in watch["measured"]
+
+
+def test_time_to_accuracy_and_the_operators_a_step_costs_come_first(report):
+    """tta: each configuration launched to its done line, its wall time and accuracy; ops: train_single's steady
+    step dispatches at most 8 operators more than the plain loop with the same data work (the cap: 12 before the
+    stop check stopped all-reducing a lone process's loss), every one named, the model's own work equal."""
+    _, result, stdout = report
+    first = [c["check"] for c in result["checks"][:3]]
+    assert first == ["tta: defaults (make demo)", "tta: fastest: bf16",
+                     "ops: train_single's operators per step - the plain loop's"], first
+    for check in result["checks"][:2]:
+        run = check["first"]
+        assert check["passed"] is None and check["value"] == run["wall_s"] > run["first_epoch_s"] > 0
+        assert 0 <= run["test_acc"] <= 1 and run["epochs"] == 1 and run["steps"] == 2  # 256 images, batch 128
+        assert check["second"] is None and run["compile"] == "--compile auto: eager (no GPU); --compile inductor compiles"
+        assert f"{run['wall_s']:.0f} s to test_acc {run['test_acc']:.4f} (1 epochs, 2 steps)" == check["measured"]
+    assert "--model resnet20 --epochs 8 --mixed-precision bf16 --epochs 1" in result["checks"][1]["note"]
+    ops = result["checks"][2]
+    print(f"ops per step: {ops['measured']}")
+    assert ops["value"] == ops["script_ops"] - ops["plain_ops"] == sum(ops["surplus"].values())
+    assert ops["passed"] and ops["value"] <= 8, ops["measured"]
+    assert ops["plain_ops"] > 100 and not any(name.startswith(("aten.convolution", "aten.native_batch_norm",
+                                                                "aten.relu", "aten.mm"))
+                                               for name in ops["surplus"]), ops["surplus"]  # the model's work, equal
+    assert "| ops: train_single's operators per step - the plain loop's |" in stdout
 
 
 def test_loader_check_compares_the_workers_path_with_torchvision_side_by_side(report):
@@ -287,16 +313,20 @@ def test_gpu_rows_follow_the_gpu_count(monkeypatch):
     assert list(benchmark.available_strategies(0)) == ["single", "bf16", "ddp2"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert list(benchmark.available_strategies(1)) == ["single", "fp16", "bf16", "bf16-graphs"]
-    assert list(benchmark.available_strategies(6)) == ["single", "dp", "ddp2", "ddp4", "ddp6", "fsdp6",
+    assert list(benchmark.available_strategies(1)) == ["single", "defaults", "fp16", "bf16", "bf16-graphs"]
+    assert list(benchmark.available_strategies(6)) == ["single", "defaults", "dp", "ddp2", "ddp4", "ddp6", "fsdp6",
                                                        "ddp6-fp16", "ddp6-bf16", "bf16-graphs"]
+    # eager rows, to compare strategies with each other and the eager plain loop; the defaults compile
+    assert benchmark.available_strategies(1)["single"].flags == ("--compile", "none")
+    assert benchmark.available_strategies(1)["defaults"].flags == ()
     graphs = benchmark.available_strategies(6)["bf16-graphs"]  # CUDA graphs: one GPU, bf16, reduce-overhead
     assert (graphs.script, graphs.processes, graphs.precision) == ("train_amp.py", 1, "bf16")
     assert graphs.flags == ("--mixed-precision", "bf16", "--compile", "--compile-mode", "reduce-overhead")
     rows = benchmark.available_strategies(4)
     assert rows["ddp4-bf16"].launcher()[-4:] == ["--config_file", "accelerate_configs/4gpu.yaml",
                                                   "--num_processes", "4"]
-    assert rows["ddp4-bf16"].flags == ("--mixed-precision", "bf16") and rows["dp"].launcher() == [sys.executable]
+    assert rows["ddp4-bf16"].flags == ("--mixed-precision", "bf16", "--compile", "none")
+    assert rows["dp"].launcher() == [sys.executable]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # no native bf16
     assert "bf16-graphs" not in benchmark.available_strategies(1)
 

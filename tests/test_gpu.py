@@ -47,7 +47,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import BIN, DATA, ROOT, TINY, bad_ends, execute, image_folder, run, user_env, weights
+import helpers
+from helpers import BIN, DATA, ROOT, TINY, bad_ends, execute, image_folder, user_env, weights
 
 from bench import gpu_plan, gpu_pytest, gpu_report
 from common.data.device import on_device, tensor_loader
@@ -130,6 +131,13 @@ def table_widths(markdown: str) -> list[set[int]]:
     return tables
 
 
+def run(script, *args, **kwargs):
+    """helpers.run, a training script run eagerly unless its flags say --compile: the checks here were made for
+    eager runs, and --compile auto (the default: CUDA graphs on a GPU) has cases of its own (``--compile auto``)."""
+    compiled = "--compile" in map(str, args) or not str(script).startswith("train_")
+    return helpers.run(script, *args, *(() if compiled else ("--compile", "none")), **kwargs)
+
+
 def max_difference(a, b) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
@@ -139,6 +147,8 @@ def max_difference(a, b) -> float:
 # name: (script, GPUs: 1 or "all", flags). 1-GPU runs see only the first visible GPU; "all" runs
 # launch PROCESSES processes (train_dp.py: one process driving every GPU, 2 or more).
 CASES = {
+    # the defaults (--compile auto): on a GPU each step replayed as CUDA graphs
+    "train_single-defaults": ("train_single.py", 1, ("--compile", "auto")),
     "train_single-tf32": ("train_single.py", 1, ("--deterministic",)),
     "train_single-fp32": ("train_single.py", 1, ("--deterministic", "--no-tf32")),
     "train_dp-1gpu": ("train_dp.py", 1, ("--deterministic",)),
@@ -244,9 +254,9 @@ def test_every_script_learns_and_evaluate_reproduces_it(trained, record, name):
     assert settings["args"]["deterministic"] == ("--deterministic" in flags)
     assert settings["args"]["tf32"] == ("--no-tf32" not in flags)
     if "--compile" in flags:
-        assert settings["args"]["compile"] == "inductor"
-    if "reduce-overhead" in flags:
-        assert settings["compile"].endswith("its steps replayed as CUDA graphs"), settings["compile"]
+        assert settings["args"]["compile"] == ("auto" if "auto" in flags else "inductor")
+    if {"reduce-overhead", "auto"} & set(flags):
+        assert "its steps replayed as CUDA graphs" in settings["compile"], settings["compile"]
     if script == "train_amp.py":
         assert settings["mixed_precision"] == flags[flags.index("--mixed-precision") + 1]
 

@@ -85,11 +85,12 @@ class StepGuard:
         self.received = self.received or signal.Signals(signum).name
 
     def check(self, loss: torch.Tensor, step: int, now: bool = False) -> Stop | None:
-        """After optimizer step ``step`` with its ``loss``: the Stop every process agrees on, or
-        None to go on. ``now``: read this step's numbers before returning (it is to be saved)."""
-        loss = loss.detach().float()
-        signalled = torch.full_like(loss, float(self.received is not None))  # a fill, no copy
-        total = self.accelerator.reduce(torch.stack([loss, signalled]), "sum")
+        """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees on,
+        or None to go on. ``now``: read this step's numbers before returning (it is to be saved)."""
+        total = loss.float()  # detached already: the sum of the micro-batches' detached losses
+        if self.accelerator.num_processes > 1:  # one all-reduce of [loss, processes signalled]
+            signalled = torch.full_like(total, float(self.received is not None))  # a fill, no copy
+            total = self.accelerator.reduce(torch.stack([total, signalled]), "sum")
         if total.is_cuda:  # a copy into pinned host memory, queued behind the step's work
             stream, arrived = torch.cuda.current_stream(total.device), torch.cuda.Event()
             total = total.to("cpu", non_blocking=True)
@@ -130,7 +131,9 @@ class StepGuard:
     def _read(self, step: int, total: torch.Tensor, arrived) -> Stop | None:
         if arrived is not None:
             arrived.synchronize()
-        loss, signalled = total.tolist()
+        # alone, the signal is this process's own: three operators a step fewer than the all-reduce
+        values = total.tolist()  # [loss, signalled], or the loss alone
+        loss, signalled = values if total.dim() else (values, self.received is not None)
         if math.isfinite(loss):
             self.first_loss = self.first_loss or loss
             if self.grew is None and loss > GROWN * self.first_loss:
