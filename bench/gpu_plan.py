@@ -1,9 +1,11 @@
 """The GPU check's plan: every check and measurement of `make gpu-check`, in order of value, with what
 it proves and its estimated time on one H100, cut to the time a lent GPU is there.
 
-A lent GPU is one GPU for minutes, so the plan leads with what no CPU can show: the multi-process
-paths on CUDA tensors, two processes sharing the GPU (--share-gpus) where there is one. Then the
-single-process speed rows whose targets are unmeasured. What was proven on a GPU before (every
+A lent GPU is one GPU for minutes, so the plan leads with what a user of the defaults waits for
+(time to accuracy, the defaults against the fastest configuration, what a step costs beyond the
+model), then what no CPU can show: the multi-process paths on CUDA tensors (CUDA graphs under DDP
+first, never run on a GPU yet), two processes sharing the GPU (--share-gpus) where there is one.
+Then the single-process speed rows whose targets are unmeasured. What was proven on a GPU before (every
 script on one GPU, 2026-11-23) comes last and runs when the budget allows (--budget).
 
 Estimates come from the H100 check of 2026-11-23 (a 1-process tiny run about 11 s, evaluate.py
@@ -52,9 +54,23 @@ RESUMES = "test_stop_and_resume_is_bit_for_bit"
 AGREES = "test_all_gpus_match_one_gpu"
 
 PLAN = [
+    # ---- what a user of the defaults waits for, against the fastest configuration
+    bench("benchmark-tta", "time to accuracy, launch to done line: the defaults (--compile auto: "
+          "CUDA graphs), the eager defaults, the fastest (bf16, batch 512, CUDA graphs), each "
+          "compiled one launched again from the cache; operators and CUDA runtime calls per step "
+          "against the plain loop, eager and with the defaults", 170, "--strategies", "single",
+          "--checks", "tta", "ops", bf16=True),
+    bench("benchmark-defaults", "img/s at batch 128: the defaults against eager and the fastest "
+          "configuration; data wait; the plain-loop ratio", 90, "--steps", "30", "--strategies",
+          "single", "defaults", "bf16-graphs", "--checks", "overhead", bf16=True),
+    bench("benchmark-b32", "a 4-GPU launch's per-device batch (32) in one process: eager against "
+          "the defaults' CUDA graphs", 60, "--steps", "30", "--per-device-batch-size", "32",
+          "--strategies", "single", "defaults", "--checks", "none"),
     # ---- several processes on CUDA tensors: two share the GPU where there is one
     check(f"{AGREES}[train_ddp.py]", "DDP's all-reduce on CUDA tensors: 2 processes end 5 steps "
           "within 1e-4 of one (BatchNorm frozen, --deterministic)", 50),
+    check(f"{LEARNS}[train_ddp-all-cuda-graphs]", "--compile --compile-mode reduce-overhead "
+          "under DDP: TorchInductor and CUDA graphs in training and evaluation", 80),
     check(f"{AGREES}[train_fsdp.py]", "FSDP2: each process holds about 1/N of the parameter and "
           "optimizer bytes (its shards); the weights within 1e-4 of one process and of DDP's", 40,
           fsdp=True),
@@ -77,8 +93,6 @@ PLAN = [
           "kernels in every process; NVML's utilisation read by each process", 32),
     check("test_fine_tunes_a_timm_model_at_224_px_through_the_workers", "fine-tuning timm's "
           "ResNet-18 from a weights file at 224 px, JPEGs through DataLoader workers, under DDP", 40),
-    check(f"{LEARNS}[train_ddp-all-cuda-graphs]", "--compile --compile-mode reduce-overhead "
-          "under DDP: TorchInductor and CUDA graphs in training and evaluation", 80),
     # ---- one process: the speed targets not yet measured (docs/benchmarks.md)
     bench("benchmark-b128", "the plain-loop ratio and data wait at batch 128 (train_single fp32, "
           "train_amp bf16)", 55, "--steps", "30", "--strategies", "single", "bf16", "--checks",

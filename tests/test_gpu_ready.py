@@ -28,6 +28,7 @@ class FakeAccelerator:
     """What the guards use of an Accelerator, in one process."""
 
     is_main_process = True
+    num_processes = 1
     device = torch.device("cpu")
 
     def __init__(self):
@@ -50,6 +51,8 @@ class FakeAccelerator:
 
 
 class OtherProcessSignalled(FakeAccelerator):
+    num_processes = 2
+
     def reduce(self, tensor, reduction):  # the sum over 2 processes, the other one signalled
         return tensor + torch.tensor([0.0, 1.0]) if tensor.dim() else tensor + 1
 
