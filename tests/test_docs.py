@@ -369,8 +369,8 @@ def test_the_readme_gives_the_suites_time_the_makefile_records():
 def worker_counts(text: str) -> list[int]:
     """Every 'N pytest-xdist workers' that ``text`` states, N in digits or a word."""
     prose = " ".join(re.sub(r"\n\s*#+", " ", text).split())  # comments wrapped over lines joined
-    found = re.findall(r"\b(\w+) pytest-xdist workers", prose)
-    return [int(n) if n.isdigit() else WORDS.get(n.lower(), -1) for n in found]
+    found = re.findall(rf"\b(\d+|{'|'.join(WORDS)}) pytest-xdist workers", prose, re.IGNORECASE)
+    return [int(n) if n.isdigit() else WORDS[n.lower()] for n in found]
 
 
 @pytest.mark.parametrize("where", ["Makefile", "requirements-dev.txt", "tests/conftest.py",
