@@ -1,7 +1,7 @@
 """What the training scripts share, in floors: a module imports from its own floor and those below.
 
 The floors, top first (tests/test_copy_set.py holds every import of common/ to this order); each
-training script imports from all of them.
+training script imports from every folder.
 
     cli         the flags every training script shares, checked before anything starts: it
                 gathers each folder's flags, so it stands on all of them
@@ -15,7 +15,7 @@ training script imports from all of them.
                 record, the final weights
     recipe/     what is trained and how: the model, the optimizer and schedule, the numerics,
                 compilation, weight averaging, evaluation
-    failures    the ground floor, which every folder uses: a failure on one process stops all of
+    failures    the ground floor, what the folders share: a failure on one process stops all of
                 them (agreed, said once, no hang)
     files       atomic files and folders; the paths flags name, checked before anything is written
     units       GB, as the reports give memory

@@ -1,6 +1,6 @@
 """Several processes as one job. A call that makes a collective, here or elsewhere, must be made
 by every process, in the same order: the scripts mark those calls ``# ALL``. The agreement that
-a failure on one process stops all of them is common/failures.py, which every folder uses.
+a failure on one process stops all of them is common/failures.py, which the folders share.
 
     launch          the processes the launcher started, one per GPU, the batch cut in equal
                     slices; several processes on one GPU (--share-gpus)
