@@ -1,9 +1,10 @@
 """common/ is the copy set: what a person takes along with one training script, and nothing else.
 
 Each module does one job, says which in its docstring's first line, and stays under 400 lines;
-imports among them flow one way (no cycles), down the floors common/__init__.py lists; each script reaches only what it needs (a DDP copier
-takes no DataParallel code); none of it reaches into bench/; and a copied script trains a step in
-every layout the README names, importing the copy and nothing of this repository.
+imports among them flow one way (no cycles), down the floors common/__init__.py lists; each script
+reaches only what it needs (a DDP copier takes no DataParallel code); none of it reaches into
+bench/; and a copied script trains a step in every layout the README names, importing the copy and
+nothing of this repository.
 """
 
 import ast
