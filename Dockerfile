@@ -29,5 +29,6 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
     && pip install -r requirements.txt -r requirements-optional.txt
 
 COPY . .
-# common/ and bench/ importable from scripts/ (pyproject.toml; its dependencies are installed above)
+# common/ and bench/ importable from any folder, scripts/'s links aside (pyproject.toml; its
+# dependencies are installed above)
 RUN pip install --no-deps -e .

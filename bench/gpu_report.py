@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from bench import tools
-from common.run.files import write_json
+from common.files import write_json
 
 LARGE_MODEL, LARGE_SIZE = "torchvision:resnet50", 224
 TARGETS = {  # the targets the reports in docs/gpu/ are held to

@@ -32,12 +32,12 @@ from common.data.splits import ImageData
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
-from common.observe.utilisation import GB
 from common.recipe.ema import WeightAverage
 from common.recipe.models import build_model
 from common.recipe.numerics import keep_freed_memory
 from common.recipe.optim import build_optimizer
 from common.run.record import versions
+from common.units import GB
 
 # ----------------------------------------------------------------------------------- the machine
 

@@ -7,7 +7,9 @@ import torch
 import torchvision
 
 from common.data.flags import add_augment_args, add_data_args, check_augment_args, check_data_args
+from common.data.pretrained import check_fine_tuning
 from common.errors import UserError
+from common.files import check_folder
 from common.observe.profiling import profile_steps
 from common.parallel.launch import SHARE_GPUS
 from common.recipe.compiling import COMPILE_CHOICES, COMPILE_MODES, check_compile
@@ -19,8 +21,6 @@ from common.recipe.models import (
     model_names,
 )
 from common.recipe.optim import DEFAULT_LR
-from common.recipe.pretrained import check_fine_tuning
-from common.run.files import check_folder
 
 # The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1

@@ -49,7 +49,7 @@ side here:
                 after every step against the same loop without it, rounds alternated, and one
                 update timed alone; reported as measured
     watch       the cost of the failure watch that every process of a multi-process run keeps
-                (common.parallel.failures.watch_failures: a thread asking the launch's store twice
+                (common.failures.watch_failures: a thread asking the launch's store twice
                 a second whether a process failed; no collective): the plain loop with it against
                 without it, rounds alternated, and one question to a TCPStore timed alone;
                 reported as measured
@@ -89,13 +89,13 @@ from pathlib import Path
 import torch
 
 from bench import finetune, loaders, opcount, steptimer, time_to_accuracy, tools
+from common import failures
 from common.cli import Parser
 from common.data.synthetic import make_synthetic
 from common.data.workers import default_workers
 from common.errors import UserError
-from common.parallel import failures
+from common.files import check_folder, write_json
 from common.recipe.models import build_model
-from common.run.files import check_folder, write_json
 from common.run.folder import new_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,7 +490,7 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
 @contextmanager
 def failure_watch():
     """The failure watch of a multi-process run's processes
-    (common.parallel.failures.watch_failures) as it runs beside their training loop: a thread
+    (common.failures.watch_failures) as it runs beside their training loop: a thread
     asking a TCPStore, twice a second, whether a process failed. The store is this process's own."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     stop = threading.Event()

@@ -50,10 +50,10 @@ from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
 from common.errors import UserError, first_line
-from common.observe.utilisation import GB
+from common.files import check_folder
 from common.parallel.launch import nccl_shares_gpus, nccl_version
-from common.run.files import check_folder
 from common.run.folder import new_run_dir
+from common.units import GB
 
 ROOT = Path(__file__).resolve().parents[1]
 # where tests/test_gpu.py appends each check's figures, and bench/gpu_pytest.py its outcome

@@ -58,6 +58,8 @@ from tqdm.auto import tqdm
 
 from common.cli import RESUMABLE_FLAGS, build_parser, check_args
 from common.data.inputs import load_data
+from common.data.pretrained import fine_tune
+from common.failures import refused_together
 from common.observe.output import survive_closed_output
 from common.observe.profiling import StepProfiler
 from common.observe.tracking import (
@@ -68,7 +70,6 @@ from common.observe.tracking import (
     start_run,
 )
 from common.parallel.data_parallel import checked_gpus, memory_report
-from common.parallel.failures import refused_together
 from common.parallel.launch import launch_record, require_single_process
 from common.parallel.step_guard import StepGuard, announce_stop
 from common.recipe.compiling import set_up_compiling
@@ -77,7 +78,6 @@ from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
 from common.recipe.numerics import set_numerics
 from common.recipe.optim import optimizer_and_schedule, set_peak_lr
-from common.recipe.pretrained import fine_tune
 from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.run.folder import lock_run_and_find_resume
 from common.run.record import done_line, run_config

@@ -54,6 +54,8 @@ from tqdm.auto import tqdm
 
 from common.cli import RESUMABLE_FLAGS, add_ddp_args, build_parser, check_args
 from common.data.inputs import load_data
+from common.data.pretrained import fine_tune
+from common.failures import refused_together
 from common.observe.output import survive_closed_output
 from common.observe.profiling import StepProfiler
 from common.observe.tracking import (
@@ -64,7 +66,6 @@ from common.observe.tracking import (
     start_run,
 )
 from common.observe.utilisation import peak_memory
-from common.parallel.failures import refused_together
 from common.parallel.fsdp import average_buffers, check_sharding, gathered_model, wrap_each_block
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
 from common.parallel.step_guard import StepGuard, announce_stop
@@ -74,7 +75,6 @@ from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
 from common.recipe.numerics import set_numerics
 from common.recipe.optim import optimizer_and_schedule, set_peak_lr
-from common.recipe.pretrained import fine_tune
 from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.run.folder import lock_run_and_find_resume
 from common.run.record import done_line, run_config

@@ -3,7 +3,7 @@ parameter groups as built: a test tool, not a feature.
 
     python tests/probe_fine_tune.py scripts/train_single.py ARGS...
 
-Writes $PROBE_FILE.pt: {"state": the model's state dict right after common.recipe.pretrained.fine_tune,
+Writes $PROBE_FILE.pt: {"state": the model's state dict right after common.data.pretrained.fine_tune,
 "groups": [{"names": [...], "lr", "lr_scale", "weight_decay"}], "optimizer": its class name}, from
 the main process.
 """
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from common.recipe import optim, pretrained
+from common.data import pretrained
+from common.recipe import optim
 
 _fine_tune, _build_optimizer = pretrained.fine_tune, optim.build_optimizer
 record = {}

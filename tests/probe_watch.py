@@ -7,7 +7,7 @@ import time
 
 from accelerate import Accelerator
 
-from common.parallel.failures import watch_failures
+from common.failures import watch_failures
 
 accelerator = Accelerator(cpu=True)
 watch_failures(accelerator)

@@ -16,11 +16,11 @@ from common.data.device import tensor_loader
 from common.data.stats import channel_stats
 from common.data.transform import BatchTransform, resized_crop_boxes
 from common.errors import UserError
+from common.files import atomic_write
 from common.observe.tracking import log_line
 from common.recipe.numerics import choose_mixed_precision, keep_freed_memory
 from common.recipe.optim import build_optimizer, build_scheduler
 from common.run.checkpoints import latest_checkpoint
-from common.run.files import atomic_write
 from common.run.record import check_resume_config
 from common.run.weights import load_weights, read_metadata, save_weights, strip_wrapper_prefixes
 

@@ -1,13 +1,15 @@
 """common/ is the copy set: what a person takes along with one training script, and nothing else.
 
 Each module does one job, says which in its docstring's first line, and stays under 400 lines;
-imports among them flow one way (no cycles); each script reaches only what it needs (a DDP copier
-takes no DataParallel code); none of it reaches into bench/; and a copied script trains a step in
-every layout the README names, importing the copy and nothing of this repository.
+imports among them flow one way (no cycles), down the floors common/__init__.py lists; each script
+reaches only what it needs (a DDP copier takes no DataParallel code); none of it reaches into
+bench/; and a copied script trains a step in every layout the README names, importing the copy and
+nothing of this repository.
 """
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +86,42 @@ def test_imports_among_the_modules_flow_one_way():
     for module in graph:
         cycle = cycle_from(module, [])
         assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def floors() -> list[str]:
+    """The floors common/__init__.py's docstring lists, top first: its entries ``    name  text``
+    (a folder as ``name/``, a module beside it as ``name``), each a floor of its own."""
+    doc = ast.get_docstring(ast.parse((ROOT / "common" / "__init__.py").read_text()))
+    return re.findall(r"^    ([a-z_]+)/? ", doc, re.MULTILINE)
+
+
+def floor(module: str) -> str:
+    """The folder of ``module`` (common.data.cache: data), or its own name beside them (errors)."""
+    return module.split(".")[1]
+
+
+def upward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """The imports in ``graph`` (module: the modules it imports) from a floor of ``order`` (top
+    first) to one above it."""
+    height = {name: len(order) - i for i, name in enumerate(order)}
+    return [f"{module} imports {other}" for module in sorted(graph) for other in sorted(graph[module])
+            if other != "common" and height[floor(other)] > height[floor(module)]]
+
+
+def test_the_folders_stack_in_the_order_of_common_init():
+    order = floors()
+    modules = set(common_modules()) - {"common"}
+    unplaced = sorted({floor(m) for m in modules} - set(order))
+    assert not unplaced, f"common/__init__.py's docstring has no floor for {unplaced}: add a line each"
+    assert len(order) == len(set(order)), f"common/__init__.py lists a floor twice: {order}"
+    graph = {name: imported_modules(common_modules()[name]) for name in modules}
+    upward = upward_imports(graph, order)
+    assert not upward, (f"imports from a floor to one above it (common/__init__.py, top first: "
+                        f"{', '.join(order)}): {'; '.join(upward)}; move what both use down a floor")
+    # Negative control: the ground floor importing a folder, and one folder the one above it
+    assert upward_imports({"common.files": {"common", "common.run.record"},
+                           "common.run.record": {"common.recipe.models", "common.data.images"}}, order) \
+        == ["common.files imports common.run.record", "common.run.record imports common.data.images"]
 
 
 def test_each_script_reaches_what_it_needs_and_a_ddp_copier_takes_no_data_parallel_code():

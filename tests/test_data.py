@@ -216,7 +216,7 @@ def test_unreadable_cache_file_is_rebuilt_with_a_warning(fake_hub, source, tmp_p
     assert "ignoring unreadable cache file" in caplog.text
     assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
     assert len(fake_hub) == 2  # the rebuilt file is good
-    # common.run.files.atomic_write writes .tmp-<name>, then renames it: nothing but the cache and its lock
+    # common.files.atomic_write writes .tmp-<name>, then renames it: nothing but the cache and its lock
     assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file.name, f"{cache_file.name}.lock"]
 
 
@@ -256,7 +256,7 @@ def test_a_full_disk_for_the_cache_is_one_warning_and_the_run_goes_on(formats, s
         (warning,) = warnings
         assert warning.startswith(f"could not write cache file {cache}/dir-") and "\n" not in warning, warning
         assert warning.endswith(" (no space left on the device); the next run decodes again"), warning
-        # nothing half-written (no .tmp-<name> of common.run.files.atomic_write), the earlier cache whole
+        # nothing half-written (no .tmp-<name> of common.files.atomic_write), the earlier cache whole
         assert sorted(p.name for p in cache.iterdir() if p.suffix != ".lock") == sorted([earlier_file.name, "filler"])
         assert earlier_file.read_bytes() == before
         again = load_image_data(data_dir=str(formats["image_folder"]), cache_dir=str(cache))
@@ -420,7 +420,7 @@ def test_processes_that_start_together_decode_once(tmp_path):
     with context.Pool(3) as pool:
         results = pool.starmap(_build_through_cache, [(str(folder), builds)] * 3)
     assert len(builds) == 1 and len(set(results)) == 1
-    # one cache and its lock: no .tmp-<name> left by common.run.files.atomic_write
+    # one cache and its lock: no .tmp-<name> left by common.files.atomic_write
     assert sorted(p.name for p in folder.iterdir()) == ["shared.pt", "shared.pt.lock"]
 
 

@@ -1,5 +1,7 @@
 """The docs' checkable claims: the README's "Where to change what" and Layout list the modules on
-disk, docs/usage.md's example log line is what a run prints, and the code fits in 100-character lines.
+disk, docs/usage.md's example log line is what a run prints, docs/strategies.md names the code that
+applies each flag it names, the suite's time and worker count are the Makefile's, and the code fits
+in 100-character lines.
 
 Pure file reading plus a few cheap calls (the log line, the loaders' lengths, the schedule); no
 training, a few seconds in all.
@@ -282,6 +284,106 @@ def test_usage_example_checks_catch_a_stale_line():
     assert "not in log_line's format" in format_problem(moved)
     missing = " ".join(field for field in fields if not field.startswith("data_wait_frac="))
     assert "does not parse" in format_problem(missing)
+
+
+# ----------------------------------------------------------------------------- who applies a flag
+
+STRATEGIES = ROOT / "docs" / "strategies.md"
+
+
+def reads(path: Path, flag: str) -> bool:
+    """Whether ``path`` reads ``flag`` from the parsed flags (``args.dest``)."""
+    return re.search(rf"\bargs\.{flag[2:].replace('-', '_')}\b", path.read_text()) is not None
+
+
+def applier_problems(page: str) -> list[str]:
+    """What in the opening of docs/strategies.md (``page``) says the wrong code applies a flag:
+    "the scripts themselves apply `--flag` ..." (train_single.py reads it and common/ applies it
+    nowhere but its flag checks, cli.py) and "`common/PATH.py` applies `--flag`" (that module reads
+    it, the scripts do not)."""
+    opening = " ".join(page.split("\n## ", 1)[0].split())
+    scripts = re.search(r"the scripts themselves apply (.*?), in the same lines", opening)
+    modules = re.findall(r"`(common/[\w/]+\.py)` applies `(--[\w-]+)`", opening)
+    if not scripts or not modules:
+        return ["docs/strategies.md's opening must say 'the scripts themselves apply `--flag` ..., "
+                "in the same lines in each' and '`common/PATH.py` applies `--flag`'"]
+    single = ROOT / "scripts" / "train_single.py"
+    checks = {ROOT / "common" / "cli.py", ROOT / "common" / "data" / "flags.py"}
+    problems = []
+    for flag in re.findall(r"`(--[\w-]+)`", re.sub(r"\([^()]*\)", "", scripts.group(1))):
+        elsewhere = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "common").glob("**/*.py"))
+                     if p not in checks and reads(p, flag)]
+        if not reads(single, flag) or elsewhere:
+            problems.append(f"docs/strategies.md says the scripts apply {flag}; scripts/train_single.py "
+                            f"{'reads' if reads(single, flag) else 'never reads'} it, "
+                            f"{', '.join(elsewhere) or 'no module of common/'} does: say who applies it")
+    for module, flag in modules:
+        if not (ROOT / module).is_file() or not reads(ROOT / module, flag) or reads(single, flag):
+            problems.append(f"docs/strategies.md says {module} applies {flag}; it does not, or not "
+                            f"alone (scripts/train_single.py reads it too): say who applies it")
+    return problems
+
+
+def test_the_strategies_page_says_who_applies_each_flag():
+    problems = applier_problems(STRATEGIES.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_applier_check_catches_the_scripts_said_to_apply_what_common_does():
+    # Negative control: the page's old sentence, the scripts applying --scale-lr
+    old = STRATEGIES.read_text().replace(
+        "(`common/recipe/optim.py` applies `--scale-lr`, the peak lr); the scripts themselves apply",
+        "(`common/recipe/optim.py` applies `--clip-grad`); the scripts themselves apply `--scale-lr`,")
+    assert old != STRATEGIES.read_text()
+    problems = applier_problems(old)
+    assert any("the scripts apply --scale-lr; scripts/train_single.py never reads it, "
+               "common/recipe/optim.py does" in p for p in problems), problems
+    assert any("common/recipe/optim.py applies --clip-grad" in p for p in problems), problems
+
+
+# ----------------------------------------------------------------------------- the suite's time, its workers
+
+WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def makefile_comments() -> str:
+    """The Makefile's comments as prose: the comment marks dropped, lines joined."""
+    return " ".join(line.strip().lstrip("#").strip() for line in
+                    (ROOT / "Makefile").read_text().splitlines() if line.strip().startswith("#"))
+
+
+def test_the_readme_gives_the_suites_time_the_makefile_records():
+    measured = re.search(r"whole suite on 2 cores since: ([\d,]+) s when nothing else runs, ([\d,]+) s "
+                         r"beside other work", makefile_comments())
+    assert measured, ("the Makefile's comment on `test` must record 'the whole suite on 2 cores since: "
+                      "N s when nothing else runs, M s beside other work'")
+    quiet, busy = (int(group.replace(",", "")) for group in measured.groups())
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"\nmake test .*\(~(\d+) min on 2 idle cores, ~(\d+) busy\)", readme)
+    assert said, "README.md's `make test` line must give '(~N min on 2 idle cores, ~M busy)'"
+    assert (int(said.group(1)), int(said.group(2))) == (round(quiet / 60), round(busy / 60)), (
+        f"README.md's `make test` line gives ~{said.group(1)} and ~{said.group(2)} min; the Makefile "
+        f"records {quiet} s and {busy} s: say ~{round(quiet / 60)} and ~{round(busy / 60)}")
+
+
+def worker_counts(text: str) -> list[int]:
+    """Every 'N pytest-xdist workers' that ``text`` states, N in digits or a word."""
+    prose = " ".join(re.sub(r"\n\s*#+", " ", text).split())  # comments wrapped over lines joined
+    found = re.findall(rf"\b(\d+|{'|'.join(WORDS)}) pytest-xdist workers", prose, re.IGNORECASE)
+    return [int(n) if n.isdigit() else WORDS[n.lower()] for n in found]
+
+
+@pytest.mark.parametrize("where", ["Makefile", "requirements-dev.txt", "tests/conftest.py",
+                                   "docs/tests.md"])
+def test_every_stated_worker_count_is_the_makefiles(where):
+    recipe = re.search(r"\ntest:[^\n]*((?:\n\t[^\n]*)+)", (ROOT / "Makefile").read_text()).group(1)
+    workers = int(re.search(r"-m pytest .*-n (\d+)", recipe).group(1))
+    text = makefile_comments() if where == "Makefile" else (ROOT / where).read_text()
+    stated = worker_counts(text)
+    assert stated and set(stated) == {workers}, (
+        f"{where} states {stated or 'no'} 'N pytest-xdist workers'; `make test` runs pytest -n "
+        f"{workers}: say {workers}")
+    assert worker_counts("make test: 2 pytest-xdist workers; Three\n# pytest-xdist workers") == [2, 3]
 
 
 # ----------------------------------------------------------------------------- line length

@@ -31,10 +31,10 @@ from common.cli import build_parser
 from common.data.flags import data_options
 from common.data.images import fit
 from common.data.inputs import load_inputs, load_test_inputs
+from common.data.pretrained import Weights, find_weights, fine_tune
 from common.data.stats import channel_stats
 from common.errors import UserError
 from common.recipe.models import build_model
-from common.recipe.pretrained import Weights, find_weights, fine_tune
 from common.run.weights import read_metadata
 
 CLASSES = 3

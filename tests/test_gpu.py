@@ -420,7 +420,7 @@ def test_more_processes_than_gpus_is_refused_without_share_gpus(record, tmp_path
 def test_a_failure_in_one_process_ends_every_process(record, tmp_path):
     """An image that one process cannot decode (--loader workers) while the others wait in an NCCL
     collective, which fails by nothing but its timeout: the failure watch ends every process within
-    seconds (common.parallel.failures.watch_failures), one line said, no process aborted or killed."""
+    seconds (common.failures.watch_failures), one line said, no process aborted or killed."""
     root = image_folder(tmp_path / "data", train=48, val=8, classes=2)
     bad = sorted((root / "train").rglob("*.jpg"))[17]
     bad.write_bytes(bad.read_bytes()[:300])

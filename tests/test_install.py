@@ -9,13 +9,14 @@ benchmark, and the project itself (docs/install.md).
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from functools import cache
 from importlib.metadata import packages_distributions, requires
 from pathlib import Path
 
-from helpers import ROOT, run
+from helpers import ROOT, run, user_env
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from test_copy_set import TRAINING, module_file, reached
@@ -170,3 +171,56 @@ def test_a_run_without_the_optional_and_development_packages_trains_and_says_so(
                         for name in ("tensorboard", "mlflow")]
     assert "done: step 2" in done.stdout and (out / "model.safetensors").is_file()
     assert "wandb sync" in done.stdout  # the default tracker ran (offline: no API key here)
+
+
+# Loaded first into every Python process of the test below (a folder on PYTHONPATH, alone): it
+# takes the project's own install away (the editable finder of `pip install -e .`, a path to the
+# repository), as a virtual environment made by `pip install -r requirements.txt` alone lacks it,
+# and at exit writes where each module of the project's packages came from.
+WITHOUT_PROJECT = """import atexit, os, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+_root = os.path.realpath(os.environ["NO_PROJECT_ROOT"])
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _root]
+def _where():
+    files = [str(getattr(m, "__file__", None)) for n, m in list(sys.modules.items())
+             if n.split(".")[0] in ("common", "bench")]
+    with open(os.path.join(os.environ["NO_PROJECT_OUT"], str(os.getpid())), "w") as f:
+        f.write("\\n".join(files))
+atexit.register(_where)
+"""
+
+
+def readme_scripts() -> set[str]:
+    """The scripts of this repository that the README's commands run (python, accelerate launch,
+    torchrun); `train.py` is a copier's name for one."""
+    readme = (ROOT / "README.md").read_text()
+    named = re.findall(r"(?:python|accelerate launch|torchrun)\b[^`\n|]*?\bscripts/(\w+\.py)", readme)
+    return {name for name in named if (ROOT / "scripts" / name).is_file()}
+
+
+def test_the_readmes_commands_run_from_the_root_after_the_readmes_install_alone(tmp_path):
+    """Each script a README command runs, started from the repository's root as the README starts
+    it, in this environment without the project's own install: its imports of common/ (and bench/)
+    come through the script's folder (scripts/common, scripts/bench: links), as a copied script's
+    do. The launchers run the same file, so they find the same folder first."""
+    shim, out = tmp_path / "shim", tmp_path / "loaded"
+    shim.mkdir()
+    out.mkdir()
+    (shim / "sitecustomize.py").write_text(WITHOUT_PROJECT)
+    env = user_env(PYTHONPATH=str(shim), NO_PROJECT_ROOT=str(ROOT), NO_PROJECT_OUT=str(out))
+    # Negative control: without the script's folder, the project is not importable at all
+    alone = subprocess.run([sys.executable, "-c", "import common"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert "No module named 'common'" in alone.stderr, alone.stderr[-2000:]
+    scripts = readme_scripts()
+    assert {f"{name}.py" for name in [*TRAINING, "evaluate"]} <= scripts, scripts
+    started = {name: subprocess.Popen([sys.executable, f"scripts/{name}", "--help"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL) for name in sorted(scripts)}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0 and stdout.startswith("usage:"), f"{name}: {stderr[-2000:]}"
+    loaded = {file for report in out.iterdir() for file in report.read_text().splitlines()}
+    assert len(list(out.iterdir())) == len(scripts) + 1 and loaded
+    via = [ROOT / "scripts" / "common", ROOT / "scripts" / "bench"]
+    assert all(any(Path(file).is_relative_to(folder) for folder in via) for file in loaded), sorted(loaded)[:5]

@@ -405,7 +405,7 @@ def interrupted(workspace, reference):
 
 def test_a_lost_node_fails_the_other_pod_at_once(interrupted):
     """The other pod's worker meets the closed connection in its next all-reduce and says so in one
-    line, with gloo's words (common.parallel.failures), its torchrun with exit 1: the Job fails and the JobSet
+    line, with gloo's words (common.failures), its torchrun with exit 1: the Job fails and the JobSet
     restarts both pods, instead of waiting out --dist-timeout."""
     _, found = interrupted
     codes, seconds, exits = found["crash"]

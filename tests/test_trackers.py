@@ -104,12 +104,12 @@ def test_a_tracker_whose_package_is_missing_is_one_warning(tmp_path):
 
 
 def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
-    """common.parallel.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
+    """common.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
     no run object, and its finish() (mlflow.end_run()) would record the run as FINISHED."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from common.parallel.failures import end_tracking_failed
+    from common.failures import end_tracking_failed
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

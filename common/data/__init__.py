@@ -22,6 +22,9 @@
     device      the device loader: the decoded dataset held on the training device
     workers     the workers loader: DataLoader workers decode and augment a sample at a time
     choice      which loader (--loader auto): the decoded size against the memory budget
+    pretrained  pretrained weights for fine-tuning: found offline, the inputs they expect (size,
+                normalisation, interpolation), loaded with the head swapped, the backbone frozen
+                (--freeze backbone)
     flags       the data and augmentation flags: added, checked, and DataOptions made of them
     inputs      a run's loaders in one call (load_data, load_inputs), from all of the above
 """

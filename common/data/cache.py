@@ -28,8 +28,8 @@ from common.data.sources import check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
 from common.data.synthetic import make_synthetic
 from common.errors import UserError, first_line
-from common.parallel.failures import why_not_written
-from common.run.files import atomic_write
+from common.failures import why_not_written
+from common.files import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from common.data.options import DataOptions
 from common.data.sources import check_dataset_name
 from common.data.synthetic import check_synthetic_size
 from common.errors import UserError
-from common.run.files import check_folder
+from common.files import check_folder
 
 AUTO_AUGMENT = ("none", "randaugment", "trivialaugment")
 
@@ -136,7 +136,7 @@ def data_options(args: argparse.Namespace, weights=None) -> DataOptions:
     """What the input path needs of the parsed flags:
     common.data.inputs.load_inputs(data_options(args), accelerator). The data flags, and those
     training flags (TRAINING_DATA_FLAGS) the parser has.
-    With pretrained ``weights`` (common.recipe.pretrained.Weights), their mean and std, their
+    With pretrained ``weights`` (common.data.pretrained.Weights), their mean and std, their
     interpolation (Weights.resize_interpolation), and their input size unless --image-size is
     given."""
     training = {name: getattr(args, name) for name in TRAINING_DATA_FLAGS if hasattr(args, name)}

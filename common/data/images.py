@@ -5,7 +5,7 @@ read, e.g. CMYK or 16-bit files some versions refuse. Both input paths decode th
 device path every image once (common.data.decode), the workers path a sample at a time.
 
 Every resize of either path is antialiased and bilinear, or bicubic where pretrained weights were
-trained so (INTERPOLATIONS; common.recipe.pretrained picks it).
+trained so (INTERPOLATIONS; common.data.pretrained picks it).
 """
 
 import io

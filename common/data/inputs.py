@@ -30,13 +30,13 @@ from common.data.device import on_device, tensor_loader
 from common.data.flags import data_options
 from common.data.mixing import BatchMix
 from common.data.options import DataOptions
+from common.data.pretrained import find_weights
 from common.data.sources import open_source
 from common.data.stats import channel_stats, sample_stats
 from common.data.transform import BatchTransform
 from common.data.workers import default_workers, report_bad_images, worker_loader
 from common.errors import UserError
-from common.parallel.failures import refused_together
-from common.recipe.pretrained import find_weights
+from common.failures import refused_together
 
 
 @dataclasses.dataclass

@@ -36,8 +36,8 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
+from common.failures import main_alone
 from common.observe.utilisation import DataWait, GpuBusy, process_gpus, utilisation_figures
-from common.parallel.failures import main_alone
 from common.run.record import flat_config, write_config, write_metrics
 
 DEFAULT_PROJECT = "multigpu-cifar"

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from common.errors import first_line
+from common.units import GB
 
 SAMPLE_SECONDS = 0.5
-GB = 1e9  # memory is reported in GB of 10^9 bytes (nvidia-smi shows MiB of 2^20 bytes)
 
 
 class GpuBusy:

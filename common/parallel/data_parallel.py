@@ -13,8 +13,8 @@ import os
 import torch
 
 from common.errors import UserError, first_line
-from common.observe.utilisation import GB
 from common.parallel.launch import check_batch_split
+from common.units import GB
 
 
 def data_parallel_devices(device: torch.device) -> list[torch.device]:

@@ -28,7 +28,7 @@ BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv
 
 def check_sharding(accelerator, sync_bn: bool) -> None:
     """Refuse a run that would not shard, or --sync-bn (a UserError; call it through
-    common.parallel.failures.refused_together for one line on N processes)."""
+    common.failures.refused_together for one line on N processes)."""
     if sync_bn:
         raise UserError("--sync-bn is train_ddp.py's: under FSDP2 each process normalises its own "
                         "slice and the running statistics are averaged over the processes every "

@@ -15,7 +15,7 @@ import torch
 from accelerate.state import PartialState
 
 from common.errors import UserError
-from common.parallel.failures import ignore_the_launchers_stop, refused_together
+from common.failures import ignore_the_launchers_stop, refused_together
 
 # NCCL shares a GPU between processes from 2.30 on, when asked with NCCL_MULTI_RANK_GPU_ENABLE=1
 # (NCCL's src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.parallel.failures import end_tracking_failed, ignore_the_launchers_stop, watch_failures
+from common.failures import end_tracking_failed, ignore_the_launchers_stop, watch_failures
 from common.run.checkpoints import latest_checkpoint, latest_good_checkpoint
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
@@ -75,7 +75,7 @@ class StepGuard:
         ``check`` reads (the step in progress finishes), and the kernel sends this process SIGTERM
         when its launcher dies (PR_SET_PDEATHSIG): `accelerate launch` of one process passes no
         signal on. An exception that one process meets alone ends every process within seconds
-        (common.parallel.failures.watch_failures). Main thread of a training process only."""
+        (common.failures.watch_failures). Main thread of a training process only."""
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._on_signal)
         _signal_when_parent_dies(signal.SIGTERM)

@@ -1,8 +1,6 @@
 """The recipe: what is trained and how, the same in every training script.
 
     models      image classifiers built by name (ours, torchvision:NAME, timm:NAME)
-    pretrained  pretrained weights for fine-tuning: found offline, the head swapped, the inputs
-                they expect, the backbone frozen (--freeze backbone)
     optim       the optimizer (SGD with Nesterov momentum, AdamW; the head's own lr) and the
                 learning-rate schedule (one-cycle or step decay), stepped once per optimizer step
     numerics    how fp32 math runs (TF32, cuDNN's search, determinism), AMP's 16-bit format, and

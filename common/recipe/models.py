@@ -14,7 +14,7 @@
   pretrained tag, ``timm:resnet50.a1_in1k``: the ImageNet-stem models people fine-tune.
 
 Our own models take any size from 8 px (global average pooling before the classifier). Weights are
-always random here: pretrained ones are loaded by common.recipe.pretrained, from their file.
+always random here: pretrained ones are loaded by common.data.pretrained, from their file.
 """
 
 import copy

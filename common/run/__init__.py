@@ -1,7 +1,5 @@
-"""What a run writes and reads back; what a later run reads is never half-written.
+"""What a run writes and reads back; what a later run reads is never half-written (common/files.py).
 
-    files        atomic files and folders (the old one or the whole new one); the paths flags
-                 name, checked before anything is written
     lock         the run folder's lock: one job writes a run folder at a time
     folder       which run folder a run writes, and which checkpoint it continues from
     checkpoints  when the training state is saved, writing it whole, the newest good one

@@ -23,8 +23,8 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import first_line
-from common.parallel.failures import agree, fail_alone, fail_together, from_main, why_not_written
-from common.run.files import fsync_dir, fsync_tree, write_json
+from common.failures import agree, fail_alone, fail_together, from_main, why_not_written
+from common.files import fsync_dir, fsync_tree, write_json
 from common.run.record import check_resume_config, unwritten_metrics
 
 CHECKPOINT_DIR = "checkpoints"

@@ -17,7 +17,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list
 
 from common.errors import UserError
-from common.parallel.failures import fail_together
+from common.failures import fail_together
 from common.run.checkpoints import (
     CHECKPOINT_DIR,
     STEP_DIR,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from common.errors import UserError
-from common.run.files import atomic_write
+from common.files import atomic_write
 
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
 # The launched job that took the folder last (this_job): its restarted workers continue there

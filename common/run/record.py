@@ -13,9 +13,9 @@ from pathlib import Path
 from accelerate.state import AcceleratorState
 
 from common.errors import UserError
-from common.parallel.failures import fail_together, from_main, why_not_written
+from common.failures import fail_together, from_main, why_not_written
+from common.files import atomic_write, write_json
 from common.recipe.compiling import compile_line
-from common.run.files import atomic_write, write_json
 
 
 def versions() -> dict[str, str]:

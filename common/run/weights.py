@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from common.errors import UserError
-from common.parallel.failures import fail_together, from_main, why_not_written
+from common.failures import fail_together, from_main, why_not_written
+from common.files import atomic_write, check_file
 from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
-from common.run.files import atomic_write, check_file
 from common.run.record import unwritten_metrics
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers

@@ -40,8 +40,8 @@ import torch
 
 from common.data.images import INTERPOLATIONS
 from common.errors import UserError, first_line
+from common.files import check_file
 from common.recipe.models import TIMM_PREFIX, TORCHVISION_PREFIX, classifier_name
-from common.run.files import check_file
 from common.run.weights import load_weights, non_finite, read_metadata
 
 # Seconds a download of torchvision's weights may wait for the network at each step (connect,
