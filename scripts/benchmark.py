@@ -889,8 +889,8 @@ def main(args):
             if {"loader", "workers"} & set(checks) else {}
         tuned = finetune_checks(args, steps, gpus, Path(workdir)) if "finetune" in checks else []
         # first in the report: what a user waits for, and what a step costs beyond the model
-        first = (time_to_accuracy.tta_check(gpus, Path(workdir), args.tta_flags.split(), args.timeout)
-                 if "tta" in checks else [])
+        first = (time_to_accuracy.tta_check(gpus, Path(workdir), args.tta_flags.split(),
+                                            args.timeout) if "tta" in checks else [])
         first += (opcount.ops_check(args.model, args.per_device_batch_size, device, Path(workdir),
                                     args.timeout) if "ops" in checks else [])
     single = next((r for r in rows if r["name"] == "single"), {})

@@ -85,8 +85,9 @@ class StepGuard:
         self.received = self.received or signal.Signals(signum).name
 
     def check(self, loss: torch.Tensor, step: int, now: bool = False) -> Stop | None:
-        """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees on,
-        or None to go on. ``now``: read this step's numbers before returning (it is to be saved)."""
+        """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees
+        on, or None to go on. ``now``: read this step's numbers before returning (it is to be
+        saved)."""
         total = loss.float()  # detached already: the sum of the micro-batches' detached losses
         if self.accelerator.num_processes > 1:  # one all-reduce of [loss, processes signalled]
             signalled = torch.full_like(total, float(self.received is not None))  # a fill, no copy
