@@ -155,14 +155,14 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--compile", nargs="?", const="inductor", default="auto", metavar="BACKEND",
                        choices=COMPILE_CHOICES,
                        help="torch.compile the model, through Accelerate's dynamo plugin: auto "
-                            "replays each step as CUDA graphs on a CUDA GPU (TorchInductor's "
-                            "reduce-overhead; without graphs with --grad-accum; eager with "
-                            "--deterministic, DataParallel or FSDP2) and trains eagerly on a CPU; "
-                            "none: eager; inductor (the value with no BACKEND) compiles; aot_eager "
-                            "checks that the model traces. The first launch compiles (about a "
-                            "minute), the next find the cache beside the run folders "
-                            "(runs/.compile-cache; TORCHINDUCTOR_CACHE_DIR overrides) "
-                            "(default: %(default)s)")
+                            "replays each step as CUDA graphs in a one-process run on a CUDA GPU "
+                            "(TorchInductor's reduce-overhead; without graphs with --grad-accum; "
+                            "eager with --deterministic, several processes, DataParallel or "
+                            "FSDP2) and trains eagerly on a CPU; none: eager; inductor (the value "
+                            "with no BACKEND) compiles; aot_eager checks that the model traces. "
+                            "The first launch compiles (about a minute), the next find the cache "
+                            "beside the run folders (runs/.compile-cache; TORCHINDUCTOR_CACHE_DIR "
+                            "overrides) (default: %(default)s)")
     train.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                        help="TorchInductor's mode, with --compile inductor: reduce-overhead "
                             "replays each step as CUDA graphs, for GPUs waiting on the host's "

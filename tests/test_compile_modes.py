@@ -96,19 +96,21 @@ def flags(compile="auto", mode="default", grad_accum=1, deterministic=False, out
                               deterministic=deterministic, output_dir=output_dir)
 
 
-@pytest.mark.parametrize("given, cuda, model_is, expected", [
-    (flags(), False, "whole", (None, "default")),  # a CPU run stays eager
-    (flags(), True, "whole", ("inductor", "reduce-overhead")),  # a GPU: CUDA graphs
-    (flags(grad_accum=2), True, "whole", ("inductor", "default")),  # no graphs with accumulation
-    (flags(deterministic=True), True, "whole", (None, "default")),  # eager's kernels
-    (flags(), True, "replicas", (None, "default")),  # DataParallel
-    (flags(), True, "shards", (None, "default")),  # FSDP2
-    (flags("none"), True, "whole", (None, "default")),  # the old behaviour, asked for
-    (flags("inductor", "max-autotune"), False, "whole", ("inductor", "max-autotune")),  # as given
-    (flags("aot_eager"), True, "shards", ("aot_eager", "default")),
+@pytest.mark.parametrize("given, cuda, model_is, processes, expected", [
+    (flags(), False, "whole", 1, (None, "default")),  # a CPU run stays eager
+    (flags(), True, "whole", 1, ("inductor", "reduce-overhead")),  # one process on a GPU: CUDA graphs
+    (flags(grad_accum=2), True, "whole", 1, ("inductor", "default")),  # no graphs with accumulation
+    (flags(deterministic=True), True, "whole", 1, (None, "default")),  # eager's kernels
+    (flags(), True, "whole", 2, (None, "default")),  # DDP: BatchNorm makes Inductor skip the graphs
+    (flags(), True, "replicas", 1, (None, "default")),  # DataParallel
+    (flags(), True, "shards", 2, (None, "default")),  # FSDP2
+    (flags("none"), True, "whole", 1, (None, "default")),  # the old behaviour, asked for
+    (flags("inductor", "max-autotune"), False, "whole", 1, ("inductor", "max-autotune")),  # as given
+    (flags("inductor", "reduce-overhead"), True, "whole", 4, ("inductor", "reduce-overhead")),
+    (flags("aot_eager"), True, "shards", 2, ("aot_eager", "default")),
 ])
-def test_auto_compiles_with_cuda_graphs_on_a_gpu_only(given, cuda, model_is, expected):
-    assert chosen(given, cuda, model_is) == expected
+def test_auto_compiles_with_cuda_graphs_for_one_process_on_a_gpu_only(given, cuda, model_is, processes, expected):
+    assert chosen(given, cuda, model_is, processes) == expected
 
 
 def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
@@ -116,8 +118,9 @@ def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
     assert compile_line({"compile": "none"}, "cuda:0", None, "default") is None
     assert compile_line({"compile": "auto"}, "cpu", None, "default") == (
         "--compile auto: eager (no GPU); --compile inductor compiles")
-    assert compile_line({"compile": "auto"}, "cuda:0", None, "default").startswith(
-        "--compile auto: eager (no CUDA graphs without a whole model per process, --grad-accum 1")
+    assert compile_line({"compile": "auto"}, "cuda:0", None, "default") == (
+        "--compile auto: eager (CUDA graphs only for one process training a whole model, without --deterministic); "
+        "--compile inductor compiles")
     assert compile_line({"compile": "auto"}, "cuda:0", "inductor", "reduce-overhead") == (
         "--compile auto: the model compiled at its first step and first evaluation, its steps replayed as CUDA "
         "graphs; cached in /runs/.compile-cache; auto: a small model's step waits on kernel launches; "

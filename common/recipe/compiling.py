@@ -4,10 +4,10 @@ graphs by default on a GPU, the compiler's cache kept beside the run folders.
     accelerator = Accelerator(dynamo_plugin=set_up_compiling(args), ...)
 
 prepare() then wraps the model in torch.compile(model, backend=..., mode=...). --compile auto (the
-default) replays each training step as CUDA graphs on a CUDA GPU (Inductor's reduce-overhead): a
-ResNet-18 step at batch 128 is bound by the host launching its kernels there (an H200 busy 22-37 %
-of the time, eager; 7x the img/s with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains
-eagerly, as --compile none always does: on a CPU compiling costs 45-50 s and gains nothing over bf16
+default) replays each training step of a one-process run on a CUDA GPU as CUDA graphs
+(Inductor's reduce-overhead; several processes: ``chosen``): a ResNet-18 step at batch 128 is bound
+by the host launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s
+with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains eagerly, as --compile none always does: on a CPU compiling costs 45-50 s and gains nothing over bf16
 and channels_last (docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune)
 need, and how the scripts give it:
 - static shapes: training drops the last partial batch (every step has the batch's shape) and the
@@ -71,12 +71,15 @@ def check_compile(backend: str, mode: str, grad_accum: int) -> None:
                         f"smaller --batch-size")
 
 
-def chosen(args, cuda: bool, model_is: str = "whole") -> tuple[str | None, str]:
+def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tuple[str | None, str]:
     """The backend (None: eager) and mode that --compile and --compile-mode give on a machine with
-    (``cuda``) or without a GPU, for a process that trains the ``model_is`` "whole" model, its
-    "replicas" (DataParallel) or its "shards" (FSDP2)."""
+    (``cuda``) or without a GPU, for one of ``processes`` that trains the ``model_is`` "whole"
+    model, its "replicas" (DataParallel) or its "shards" (FSDP2). Several processes stay eager:
+    under DDP, BatchNorm's running statistics make Inductor skip the CUDA graphs and run slower
+    (pytorch#139207, open); the GPU plan measures DDP with them (--compile inductor
+    --compile-mode reduce-overhead)."""
     if args.compile == "auto":
-        if not cuda or args.deterministic or model_is != "whole":
+        if not cuda or args.deterministic or model_is != "whole" or processes > 1:
             return None, "default"  # --deterministic: eager's kernels, bit for bit on --resume
         return "inductor", "reduce-overhead" if args.grad_accum == 1 else "default"
     return (None if args.compile == "none" else args.compile), args.compile_mode
@@ -86,7 +89,8 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     """Accelerate's dynamo plugin for what --compile chooses on this machine (``chosen``); when it
     compiles, also the compiler's cache beside the run folders and a failure said in one line (an
     excepthook): the process changed. ``model_is`` "replicas" refuses a --compile BACKEND."""
-    backend, mode = chosen(args, torch.cuda.is_available(), model_is)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
+    backend, mode = chosen(args, torch.cuda.is_available(), model_is, processes)
     if model_is == "replicas" and args.compile not in ("auto", "none"):
         raise UserError(f"--compile {args.compile}: not offered with DataParallel ("
                         f"{NOT_AUTO['replicas']}): use train_ddp.py --compile")
@@ -119,8 +123,8 @@ def compile_line(flags: dict, device: str, backend: str | None, mode: str) -> st
     given, cuda = flags.get("compile"), device.startswith("cuda")
     said = f"--compile {given}"
     if backend is None:
-        why = ("no CUDA graphs without a whole model per process, --grad-accum 1 and no "
-               "--deterministic" if cuda else f"no GPU")
+        why = ("CUDA graphs only for one process training a whole model, without --deterministic"
+               if cuda else "no GPU")
         return f"{said}: eager ({why}); --compile inductor compiles" if given == "auto" else None
     if given != "auto" and mode != "default":
         said += f" --compile-mode {mode}"
