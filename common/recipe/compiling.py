@@ -7,8 +7,9 @@ prepare() then wraps the model in torch.compile(model, backend=..., mode=...). -
 default) replays each training step of a one-process run on a CUDA GPU as CUDA graphs
 (Inductor's reduce-overhead; several processes: ``chosen``): a ResNet-18 step at batch 128 is bound
 by the host launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s
-with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains eagerly, as --compile none always does: on a CPU compiling costs 45-50 s and gains nothing over bf16
-and channels_last (docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune)
+with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains eagerly, as --compile none always
+does: on a CPU compiling costs 45-50 s and gains nothing over bf16 and channels_last
+(docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune)
 need, and how the scripts give it:
 - static shapes: training drops the last partial batch (every step has the batch's shape) and the
   graph is compiled for fixed shapes (dynamic=False); evaluation's last, smaller batch is one more
