@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
         # each record holds the number of processes on this node: all of them stopped and saved
         stopped = [int(path.read_text()) for path in Path(records).iterdir()]
         if stopped and len(stopped) == stopped[0]:
+            print(f"torchrun_pod.py: torchrun exited {code}, every training process of this pod stopped "
+                  f"with its checkpoint saved: exit {STOPPED}", file=sys.stderr, flush=True)
             return STOPPED
         return code if code > 0 else 128 - code  # killed by a signal: as a shell reports it
 

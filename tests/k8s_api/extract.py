@@ -165,7 +165,12 @@ def main() -> None:
     core = show(args.api, API_TAG, core_types)
     reasons = re.findall(r"^\s*(JobReason\w+)\s+string\s+=", batch, re.M)
     conditions = re.findall(r"^\s*(\w+)\s+PodConditionType\s+=", core, re.M)
+    shipped = "manifests/base/runtimes/torch_distributed.yaml"
+    runtime_labels = yaml.safe_load(show(args.trainer, TRAINER_TAG, shipped))["metadata"]["labels"]
     names = {
+        "runtime_labels": {"source": {"repo": "kubeflow/trainer", "tag": TRAINER_TAG, "paths": [shipped],
+                                      "note": "the labels of the shipped torch-distributed runtime"},
+                           "values": runtime_labels},
         "pod_labels": {
             "jobset": {"source": {"repo": "kubernetes-sigs/jobset", "tag": JOBSET_TAG,
                                   "paths": [jobset_types, pods_labels + " (labelAndAnnotateObject: the Job "
