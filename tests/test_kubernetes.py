@@ -645,13 +645,17 @@ def test_a_sigterm_stops_every_pod_with_a_checkpoint_and_exit_75(interrupted, sc
     assert sorted(stop["exits"].values()) == [STOPPED, STOPPED] and len(stop["exits"]) == 2, stop["exits"]
     resumed = f"resumed from runs/train-ddp/checkpoints/step_{stop['resumed']:08d}"
     assert resumed in outputs[0], outputs[0][-3000:]
-    (step,) = map(int, re.findall(r"stopped by SIG\w+ after step (\d+)", outputs[0]))
+    # one line from each node's first process; after a signal to another node's, it says so
+    steps = {int(step) for step in re.findall(r"stopped by (?:SIGTERM|a stop signal to another process) "
+                                              r"after step (\d+)", "".join(outputs))}
+    assert len(steps) == 1, outputs
+    (step,) = steps
     assert step > stop["resumed"] and f"checkpoints/step_{step:08d}" in stop["listed"]
     assert "model.safetensors" not in stop["listed"]
     assert f"resumed from runs/train-ddp/checkpoints/step_{step:08d}" in found["outputs"][stop["attempt"] + 1][0]
     for rank, output in enumerate(outputs):
         # torchrun alone exits 1: in its signal path (SignalException) or in its failure path
-        path = "SignalException: Process" if rank in stop["signalled"] else "ChildFailedError"
+        path = "SignalException: Process" if rank in stop["signalled"] else "errors.ChildFailedError:"
         assert f"torchrun_pod.py: torchrun exited 1, every training process of this pod stopped" in output, output
         assert output.count("Traceback") == output.count(path) == 1, output[-3000:]  # torchrun's own only
         assert "terminate called" not in output
@@ -688,7 +692,8 @@ def restarts_table(runtime: dict, found: dict) -> list[tuple[str, str, str | Non
     for scenario in ("crash", "pod 0 evicted", "pod 1 evicted", "suspended", "finished"):
         pods = failed_pods(found, scenario)
         for order in itertools.permutations(pods) if pods else [()]:
-            first = f"{order[0].name} (exit {order[0].exit_code})" if order else "none fails"
+            first = (f"{order[0].name} (exit {order[0].exit_code}"
+                     + "".join(f", {kind}" for kind, _ in order[0].conditions) + ")") if order else "none fails"
             rows.append((scenario, first, *outcome(runtime, list(order))))
     return rows
 
@@ -754,3 +759,21 @@ def test_torchruns_wait_for_its_processes_is_torch_elastic_shutdown_timeout(tmp_
     assert re.search(forced, killed.read_text()), killed.read_text()
     assert ended[10][0] == 1 and ended[10][2] and 5 <= ended[10][1] < 10, finished.read_text()
     assert "forcefully exiting" not in finished.read_text()
+
+
+def test_the_pod_entry_warns_when_its_torch_ignores_the_wait(tmp_path):
+    """A torch from before pytorch PR #172596 kills the processes 30 s after a SIGTERM whatever
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT says: torchrun_pod.py says so in one line; this torch, nothing."""
+    old = tmp_path / "torch"
+    (old / "distributed" / "launcher").mkdir(parents=True)
+    (old / "__init__.py").write_text("")
+    (old / "distributed" / "launcher" / "api.py").write_text("shutdown_timeout = 30\n")
+    call = f"import runpy; runpy.run_path({str(POD_ENTRY)!r})['warn_if_the_wait_is_ignored']()"
+    env = {**user_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}
+    ours = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, check=True)
+    theirs = subprocess.run([sys.executable, "-c", call], env={**env, "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, check=True)
+    assert ours.stderr == ""
+    assert theirs.stderr == (f"warning: this torch ({old / 'distributed' / 'launcher' / 'api.py'}) does not read "
+                             f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torchrun SIGKILLs the training processes 30 s after "
+                             f"a SIGTERM; use the torch the Dockerfile pins\n")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 STOPPED = 75  # common.parallel.step_guard.STOPPED_EXIT_CODE: stopped with a checkpoint
 RECORDS = "TRAINING_STOP_RECORDS"  # common.parallel.step_guard.STOP_RECORDS_VARIABLE
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default list
+# torchrun's default --signals-to-handle
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def warn_if_the_wait_is_ignored() -> None:
@@ -34,15 +35,17 @@ def warn_if_the_wait_is_ignored() -> None:
     launcher = Path(torch.origin).parent / "distributed" / "launcher" / "api.py" if torch else None
     if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ and launcher and launcher.exists() \
             and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in launcher.read_text():
-        print(f"warning: this torch ({launcher}) does not read TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torchrun "
-              f"SIGKILLs the training processes 30 s after a SIGTERM; use the torch the Dockerfile pins",
-              file=sys.stderr, flush=True)
+        print(f"warning: this torch ({launcher}) does not read TORCH_ELASTIC_SHUTDOWN_TIMEOUT: "
+              f"torchrun SIGKILLs the training processes 30 s after a SIGTERM; use the torch "
+              f"the Dockerfile pins", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
     warn_if_the_wait_is_ignored()
     with tempfile.TemporaryDirectory(prefix="stop-records-") as records:
-        torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv],
+        # the torchrun of this python's environment, as the TrainJob's command would start it
+        beside = Path(sys.executable).parent / "torchrun"
+        torchrun = subprocess.Popen([str(beside) if beside.exists() else "torchrun", *argv],
                                     env={**os.environ, RECORDS: records})
         for passed_on in PASSED_ON:
             signal.signal(passed_on, lambda signum, frame: torchrun.send_signal(signum))
@@ -52,8 +55,8 @@ def main(argv: list[str]) -> int:
         # each record holds the number of processes on this node: all of them stopped and saved
         stopped = [int(path.read_text()) for path in Path(records).iterdir()]
         if stopped and len(stopped) == stopped[0]:
-            print(f"torchrun_pod.py: torchrun exited {code}, every training process of this pod stopped "
-                  f"with its checkpoint saved: exit {STOPPED}", file=sys.stderr, flush=True)
+            print(f"torchrun_pod.py: torchrun exited {code}, every training process of this pod "
+                  f"stopped with its checkpoint saved: exit {STOPPED}", file=sys.stderr, flush=True)
             return STOPPED
         return code if code > 0 else 128 - code  # killed by a signal: as a shell reports it
 
