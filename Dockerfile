@@ -18,8 +18,9 @@ FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT (runtime.yaml) from pytorch PR #172596 (2026-03) on, and 2.14.1
 # does (read in its torch/distributed/launcher/api.py); an older torch SIGKILLs the training
 # processes 30 s after a SIGTERM whatever the variable says, and torchrun_pod.py warns of it.
-# For older drivers, a 2.14.1 from PyTorch's index of an older CUDA:
-#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# For older drivers, 2.14.1 from PyTorch's index of an older CUDA, one that has 2.14.1 (PyTorch's
+# install page lists them; the build fails if it has not):
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG TORCH_VERSION=2.14.1
 ARG TORCHVISION_VERSION=0.29.1
 ARG TORCH_INDEX_URL=""
@@ -51,7 +52,8 @@ COPY . .
 RUN pip install --no-deps -e .
 
 # Not root: namespaces that enforce the restricted Pod Security Standard refuse root containers.
-# uid 1000 is the one runtime.yaml asks for (runAsUser); it owns runs/ for a run without a volume.
-RUN useradd --uid 1000 --user-group --no-create-home --home-dir /workspace trainer \
+# uid 1000 is the one runtime.yaml asks for (runAsUser), with a home of its own for the settings
+# tools write there (wandb, matplotlib); it owns runs/ for a run without a volume.
+RUN useradd --uid 1000 --user-group --create-home trainer \
     && mkdir -p runs && chown trainer:trainer runs
 USER 1000:1000

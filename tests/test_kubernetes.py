@@ -606,9 +606,14 @@ def interrupted(workspace, reference):
     killed = time.perf_counter()
     found["crash"] = {"codes": finish(pods, timeout=120), "seconds": time.perf_counter() - killed,
                       "exits": job.exits(), "attempt": job.attempt}
-    found["pod 0 evicted"] = stopped_by_sigterm(job, [0])  # the first pod holds torchrun's store
-    found["pod 1 evicted"] = stopped_by_sigterm(job, [1])
-    found["suspended"] = stopped_by_sigterm(job, [0, 1])  # the Job deletes every pod
+    # each start after the first is the JobSet's restart, which the runtime's policies decide
+    # from the pods' exit statuses (restarts_table: every order)
+    previous = "crash"
+    # pod 0 holds torchrun's store; a suspended Job deletes every pod
+    for scenario, signalled in [("pod 0 evicted", [0]), ("pod 1 evicted", [1]), ("suspended", [0, 1])]:
+        the_jobset_restarts(found, previous)
+        found[scenario], previous = stopped_by_sigterm(job, signalled), scenario
+    the_jobset_restarts(found, previous)
     pods = job.start()
     found["finished"] = {"codes": finish(pods), "exits": job.exits(), "attempt": job.attempt}
     found["outputs"] = {attempt: [job.output(attempt, rank) for rank in (0, 1)] for attempt in range(1, 6)}
@@ -683,6 +688,13 @@ def failed_pods(found: dict, scenario: str) -> list[Pod]:
     return [Pod(f"node-0-{rank}", code, (EVICTED,) if scenario.endswith("evicted") and rank in run["signalled"]
                 else (), tracked=scenario != "suspended")
             for rank, code in enumerate(run["codes"]) if code != 0]
+
+
+def the_jobset_restarts(found: dict, scenario: str) -> None:
+    """The runtime's policies restart the job after ``scenario``, whichever pod fails first."""
+    pods = failed_pods(found, scenario)
+    actions = {outcome(manifest("runtime.yaml"), list(order))[1] for order in itertools.permutations(pods)}
+    assert actions <= {"RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"} and actions, (scenario, actions)
 
 
 def restarts_table(runtime: dict, found: dict) -> list[tuple[str, str, str | None, str | None, int]]:
