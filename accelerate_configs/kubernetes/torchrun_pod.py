@@ -9,6 +9,9 @@ pod's exit status (runtime.yaml). This runs torchrun as it is and exits with its
 in the folder named by TRAINING_STOP_RECORDS (common/parallel/step_guard.py). The policy then
 restarts the job without counting it against maxRestarts, a crash still counts.
 
+A record is named by the process's rank: with torchrun's own restarts (--max-restarts, which a
+TrainJob does not use) one left by an earlier attempt would count as this one's.
+
 SIGTERM, SIGINT, SIGHUP and SIGQUIT go on to torchrun, which passes them on to its processes and
 SIGKILLs them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later: PID 1 of a container gets no default
 action for a signal it does not handle. Standard library only: no torch to import before torchrun.
