@@ -275,7 +275,8 @@ WRONG = {
             fieldPath="metadata.label['jobset.sigs.k8s.io/jobset-uid']"), "the downward API has no field path"),
     "numNodes as a string": ("train_ddp.yaml", lambda d: d["spec"]["trainer"].update(numNodes="2"), "not an integer"),
     "a quantity that is none": (
-        "train_ddp.yaml", lambda d: d["spec"]["trainer"]["resourcesPerNode"]["limits"].update({"nvidia.com/gpu": "four"}),
+        "train_ddp.yaml",
+        lambda d: d["spec"]["trainer"]["resourcesPerNode"]["limits"].update({"nvidia.com/gpu": "four"}),
         "crd: spec.trainer.resourcesPerNode.limits.nvidia.com/gpu"),
     "access mode ReadWriteMany misspelt": (
         "runs_volume.yaml", lambda d: d["spec"].update(accessModes=["ReadWriteMAny"]), "ReadWriteMAny"),
