@@ -61,7 +61,7 @@ LAUNCHING_TESTS = {
 # run beside everything else. None: the whole file.
 OWN_PORTS = {
     "test_ddp_lesson": None,  # torchrun --standalone
-    "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; the reference --standalone
+    "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
     # accelerate launch --num_processes 1 runs the script itself: no rendezvous, no port
     "test_fault_tolerance": {"test_killing_the_launcher_of_one_process_stops_the_training_process_with_a_checkpoint"},
     "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",

@@ -1,22 +1,32 @@
-"""Kubernetes (accelerate_configs/kubernetes/): the manifests are what Kubeflow Trainer v2 reads,
-and the pods they make train together, survive a restart and a preemption, and continue by
-themselves.
+"""Kubernetes (accelerate_configs/kubernetes/, Dockerfile): the manifests are what Kubeflow Trainer
+v2.3.0 and JobSet v0.12.0 accept, name only what their controllers set, and the pods they make train
+together, stop with a checkpoint, restart without counting a stop against maxRestarts (a crash
+counts), and continue by themselves.
 
-No cluster here (`kubectl --dry-run=client` still asks a server), so the manifests are loaded into
-the official API models (kubeflow-trainer-api) and every key is checked against the models' fields,
-which ignore unknown ones. The pods are simulated on this machine: two torchrun agents with exactly
-the environment the Torch plugin and the runtime give the two pods of a 2-node TrainJob (PET_* with
-the first pod's address on the loopback, the runtime's env with the downward API's labels filled
-in), running the TrainJob's command and args as Kubernetes expands them, tiny flags appended (the
-last value of a flag wins). A JobSet restart is both pods started again: new processes, the same
-JobSet uid. The uninterrupted reference runs the same script and flags on 2 processes forked as
-torchrun starts them. What a worker's exit status is, torchrun does not say after passing a signal
-on: a `sitecustomize` on PYTHONPATH (the test's only addition) records each worker's `sys.exit` code.
-Not run here: the image build (no base image can be pulled) and a real cluster.
+No cluster here (`kubectl --dry-run=client` still asks a server), so the manifests are checked
+against the schemas of those versions, kept in tests/k8s_api/ (README.md: where each comes from):
+the CRDs the API server validates with, the OpenAPI definitions of the Kubernetes types with their
+enums, and the names the controllers set (labels, Job failure reasons, pod conditions, Trainer's
+ancestor and container); they also load into the official API models (kubeflow-trainer-api), which
+check key names only. The pods are simulated on this machine: two torchrun agents, each run by the
+TrainJob's command (torchrun_pod.py) with exactly the environment the Torch plugin, the runtime and
+the image give the two pods of a 2-node TrainJob (PET_* with the first pod's address on the loopback,
+the downward API's labels filled in), tiny flags appended (the last value of a flag wins). They
+crash, are evicted one at a time, are suspended together and finish; a JobSet restart is both pods
+started again (new processes, the same JobSet uid). Their exit statuses, and the DisruptionTarget
+condition an eviction gives a pod, drive a model of the Job and JobSet controllers' rules
+(tests/k8s_controllers.py) in every order the Job controller may see the pods fail. The
+uninterrupted reference runs the same script and flags on 2 processes forked as torchrun starts
+them. Each worker's own exit status is recorded by a `sitecustomize` on PYTHONPATH (the test's only
+addition). Not run here: the image build (no Docker engine, no registry) and a real cluster.
 """
 
 import contextlib
+import copy
+import importlib.util
+import itertools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -31,10 +41,13 @@ import torch
 import yaml
 from accelerate import Accelerator
 from helpers import ROOT, Processes, assert_same_weights, bad_ends, free_port, user_env
+from k8s_controllers import Pod, outcome
+from k8s_schema import crd, downward_api_paths, jobset_spec, load, openapi
 from kubeflow_trainer_api import models
 from pydantic import BaseModel
 
 from common.errors import UserError
+from common.parallel.step_guard import STOP_RECORDS_VARIABLE, STOPPED_EXIT_CODE
 from common.run.checkpoints import TrainProgress, save_checkpoint
 from common.run.folder import lock_run_and_find_resume
 from common.run.lock import JOB_FILE, JOB_ID_VARIABLE, LOCK_FILE, RunLock
@@ -45,12 +58,13 @@ MODELS = {"TrainJob": models.TrainerV1alpha1TrainJob, "TrainingRuntime": models.
           "PersistentVolumeClaim": models.IoK8sApiCoreV1PersistentVolumeClaim}
 API_VERSIONS = {"TrainJob": "trainer.kubeflow.org/v1alpha1", "TrainingRuntime": "trainer.kubeflow.org/v1alpha1",
                 "PersistentVolumeClaim": "v1"}
-# 6 steps an epoch, 12 in all, a checkpoint every 4 steps: the runs below are stopped after steps 4
-# and 8, inside epochs 1 and 2.
-TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "64", "--model",
-        "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "2", "--checkpoint-every", "4",
-        "--keep-checkpoints", "10", "--report-to", "none"]
-STOPPED = 75  # common.parallel.step_guard.STOPPED_EXIT_CODE
+# 8 steps an epoch, 16 in all, a checkpoint every 2: the job below crashes after step 2, is
+# stopped three times after a checkpoint newer than the one it resumed from, and finishes.
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--model",
+        "resnet20", "--batch-size", "32", "--reference-batch-size", "64", "--epochs", "2", "--checkpoint-every", "2",
+        "--keep-checkpoints", "20", "--report-to", "none"]
+STOPPED = STOPPED_EXIT_CODE
+POD_ENTRY = KUBE / "torchrun_pod.py"
 # Each worker's exit code, in a file named after its rank and pid: torchrun reports none after it has
 # passed a signal on.
 EXIT_RECORDER = """import os, sys
@@ -115,6 +129,27 @@ def runtime_env() -> dict:
     return {item["name"]: item for item in node_container(manifest("runtime.yaml"))["env"]}
 
 
+def replicated_job(runtime: dict) -> dict:
+    (job,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    return job
+
+
+def job_spec(runtime: dict) -> dict:
+    return replicated_job(runtime)["template"]["spec"]
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions, (KEYWORD, its arguments), continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def image_env() -> dict:
+    """The environment the image gives every container (its ENV lines)."""
+    return dict(pair.split("=", 1) for keyword, args in dockerfile() if keyword == "ENV" for pair in args.split())
+
+
 # ------------------------------------------------------------------------------------ manifests
 
 
@@ -135,38 +170,191 @@ def test_a_misspelt_field_fails_the_check():
             check(name, document)
 
 
-def test_the_jobs_name_the_runtime_and_the_runtime_restarts_them():
-    runtime, volume = check("runtime.yaml"), manifest("runs_volume.yaml")
-    policy = runtime.spec.template.spec.failure_policy
-    assert policy.max_restarts > 0 and [rule.action for rule in policy.rules] == ["RestartJobSetAndIgnoreMaxRestarts"]
-    (replicated,) = runtime.spec.template.spec.replicated_jobs
-    # the Trainer's webhook: the trainer's replicated Job has one replica and a container "node"
-    assert replicated.template.metadata.labels["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
-    assert replicated.replicas == 1 and [c.name for c in replicated.template.spec.template.spec.containers] == ["node"]
-    job = replicated.template.spec
-    assert job.backoff_limit == 0 and job.template.spec.restart_policy == "Never"
-    # The rule's reason is what the Job's podFailurePolicy gives an evicted pod.
-    assert policy.rules[0].on_job_failure_reasons == ["PodFailurePolicy"]
-    assert [c.type for c in job.pod_failure_policy.rules[0].on_pod_conditions] == ["DisruptionTarget"]
-    claims = [v.persistent_volume_claim.claim_name for v in job.template.spec.volumes if v.persistent_volume_claim]
+def schema_problems(document: dict) -> list[str]:
+    """What the schemas of tests/k8s_api/ find wrong in ``document``: its CRD (Trainer's kinds), the
+    OpenAPI definitions of its kind and the Kubernetes types it holds, and for a TrainingRuntime
+    the JobSet CRD, whose spec its spec.template.spec is."""
+    kind = document["kind"]
+    found = [f"openapi: {p}" for p in openapi(kind).problems(document)]
+    if kind in ("TrainJob", "TrainingRuntime"):
+        found += [f"crd: {p}" for p in crd(kind).problems(document)]
+    if kind == "TrainingRuntime":
+        found += [f"jobset crd: {p}" for p in jobset_spec().problems(document["spec"]["template"]["spec"])]
+    return found
+
+
+NAMES = load("controllers.json")
+POD_LABELS = {label for labels in NAMES["pod_labels"].values() for label in labels["values"].values()}
+TRAINER = NAMES["trainer"]["values"]
+
+
+def name_problems(document: dict, text: str = "") -> list[str]:
+    """The labels, field paths, reasons, conditions and container names ``document`` (and the
+    kubectl selectors in its file's ``text``) names that no controller sets (tests/k8s_api/
+    controllers.json, read from their sources): the schemas take any string there."""
+    found = []
+    for selector in re.findall(r"kubectl .*?-l (\S+)", text):
+        found += [f"selector: no controller sets the pod label {key}" for key in
+                  (term.split("=")[0] for term in selector.split(",")) if key not in POD_LABELS]
+    for key, value in document["metadata"].get("labels", {}).items():
+        if NAMES["runtime_labels"]["values"].get(key) != value:
+            found.append(f"metadata.labels: {key}: {value} is not a label of Trainer's shipped runtimes")
+    if document["kind"] != "TrainingRuntime":
+        return found
+    jobset = document["spec"]["template"]["spec"]
+    for rule in jobset.get("failurePolicy", {}).get("rules", []):
+        found += [f"onJobFailureReasons: no Job fails with reason {reason}" for reason in rule["onJobFailureReasons"]
+                  if reason not in NAMES["job_failure_reasons"]["values"].values()]
+    ancestor = replicated_job(document)["template"]["metadata"]["labels"].get(TRAINER["LabelTrainJobAncestor"])
+    if ancestor != TRAINER["AncestorTrainer"]:
+        found.append(f"{TRAINER['LabelTrainJobAncestor']}: {ancestor} is not Trainer's trainer step")
+    spec = job_spec(document)
+    containers = [c["name"] for c in spec["template"]["spec"]["containers"]]
+    if TRAINER["Node"] not in containers:
+        found.append(f"containers: {containers}: none is the one Trainer fills ({TRAINER['Node']})")
+    for rule in spec.get("podFailurePolicy", {}).get("rules", []):
+        if "onExitCodes" in rule and rule["onExitCodes"].get("containerName") not in (None, *containers):
+            found.append(f"onExitCodes: containerName {rule['onExitCodes']['containerName']} is no container")
+        found += [f"onPodConditions: no controller sets the pod condition {c['type']}"
+                  for c in rule.get("onPodConditions", [])
+                  if c["type"] not in NAMES["pod_condition_types"]["values"].values()]
+    paths = [re.escape(p).replace(re.escape("<KEY>"), "(.+)") for p in downward_api_paths()]
+    for container in spec["template"]["spec"]["containers"]:
+        for item in container.get("env", []):
+            field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if field is None:
+                continue
+            match = next((m for p in paths if (m := re.fullmatch(p, field))), None)
+            if match is None:
+                found.append(f"env {item['name']}: the downward API has no field path {field}")
+            elif field.startswith("metadata.labels") and match.group(1) not in POD_LABELS:
+                found.append(f"env {item['name']}: no controller sets the pod label {match.group(1)}")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in KUBE.glob("*.yaml")))
+def test_each_manifest_fits_the_schemas_and_names_only_what_the_controllers_set(name):
+    assert schema_problems(manifest(name)) == []
+    assert name_problems(manifest(name), (KUBE / name).read_text()) == []
+
+
+# Each wrong value is found by the data of tests/k8s_api/ alone, with no expected value in the test;
+# the first six are the misspellings the official models take without a word.
+WRONG = {
+    "action RestartJobSetAndIgnoreMaxRestart": (
+        "runtime.yaml", lambda d: d["spec"]["template"]["spec"]["failurePolicy"]["rules"][0].update(
+            action="RestartJobSetAndIgnoreMaxRestart"), "crd: spec.template.spec.failurePolicy.rules[0].action"),
+    "reason PodFailurePolicyy": (
+        "runtime.yaml", lambda d: d["spec"]["template"]["spec"]["failurePolicy"]["rules"][0].update(
+            onJobFailureReasons=["PodFailurePolicyy"]), "no Job fails with reason PodFailurePolicyy"),
+    "container nod": ("runtime.yaml", lambda d: node_container(d).update(name="nod"), "none is the one Trainer fills"),
+    "ancestor trainr": (
+        "runtime.yaml", lambda d: replicated_job(d)["template"]["metadata"]["labels"].update(
+            {"trainer.kubeflow.org/trainjob-ancestor-step": "trainr"}), "trainr is not Trainer's trainer step"),
+    "field path jobset-uuid": (
+        "runtime.yaml", lambda d: node_container(d)["env"][0]["valueFrom"]["fieldRef"].update(
+            fieldPath="metadata.labels['jobset.sigs.k8s.io/jobset-uuid']"), "no controller sets the pod label"),
+    "condition DisruptionTargt": (
+        "runtime.yaml", lambda d: job_spec(d)["podFailurePolicy"]["rules"][1]["onPodConditions"][0].update(
+            type="DisruptionTargt"), "no controller sets the pod condition DisruptionTargt"),
+    "podFailurePolicy action Failjob": (
+        "runtime.yaml", lambda d: job_spec(d)["podFailurePolicy"]["rules"][0].update(action="Failjob"),
+        "openapi: spec.template.spec.replicatedJobs[0].template.spec.podFailurePolicy.rules[0].action"),
+    "operator in": (
+        "runtime.yaml", lambda d: job_spec(d)["podFailurePolicy"]["rules"][0]["onExitCodes"].update(operator="in"),
+        "is not one of ['In', 'NotIn']"),
+    "exit code container nod": (
+        "runtime.yaml", lambda d: job_spec(d)["podFailurePolicy"]["rules"][0]["onExitCodes"].update(
+            containerName="nod"), "containerName nod is no container"),
+    "restartPolicy never": ("runtime.yaml", lambda d: pod_spec(d).update(restartPolicy="never"), "'Never'"),
+    "restart strategy": (
+        "runtime.yaml", lambda d: d["spec"]["template"]["spec"]["failurePolicy"].update(restartStrategy="Blocking"),
+        "restartStrategy"),
+    "field path metadata.label": (
+        "runtime.yaml", lambda d: node_container(d)["env"][0]["valueFrom"]["fieldRef"].update(
+            fieldPath="metadata.label['jobset.sigs.k8s.io/jobset-uid']"), "the downward API has no field path"),
+    "numNodes as a string": ("train_ddp.yaml", lambda d: d["spec"]["trainer"].update(numNodes="2"), "not an integer"),
+    "a quantity that is none": (
+        "train_ddp.yaml",
+        lambda d: d["spec"]["trainer"]["resourcesPerNode"]["limits"].update({"nvidia.com/gpu": "four"}),
+        "crd: spec.trainer.resourcesPerNode.limits.nvidia.com/gpu"),
+    "access mode ReadWriteMany misspelt": (
+        "runs_volume.yaml", lambda d: d["spec"].update(accessModes=["ReadWriteMAny"]), "ReadWriteMAny"),
+    "storage class misspelt key": (
+        "runs_volume.yaml", lambda d: d["spec"].update(storageClass="nfs-client"), "storageClass: unknown field"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG))
+def test_a_wrong_value_fails_against_the_schemas_alone(case):
+    name, spoil, expected = WRONG[case]
+    document = manifest(name)
+    spoil(document)
+    found = schema_problems(document) + name_problems(document)
+    assert any(expected in problem for problem in found), found
+
+
+def test_the_jobs_name_the_runtime_and_its_volume_and_run_torchrun_in_the_pod_entry():
+    runtime, volume = manifest("runtime.yaml"), manifest("runs_volume.yaml")
+    pod = pod_spec(runtime)
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert claims == [volume["metadata"]["name"]] and volume["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert volume["spec"]["storageClassName"]  # the cluster's default class is rarely ReadWriteMany
+    runs = next(m["mountPath"] for m in node_container(runtime)["volumeMounts"] if m["name"] == "runs")
+    # the image's caches (the dataset) on the volume: a restart does not download again
+    assert Path(image_env()["XDG_CACHE_HOME"]).is_relative_to(runs)
     env = runtime_env()
     uid = "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"  # the same after a restart, new for a new job
     assert env[JOB_ID_VARIABLE]["valueFrom"]["fieldRef"]["fieldPath"] == uid
-    # torchrun's wait for its workers after passing SIGTERM on ends before the pod's grace period
-    assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"]) < job.template.spec.termination_grace_period_seconds
     for name, script in [("train_ddp.yaml", "scripts/train_ddp.py"), ("train_amp_bf16.yaml", "scripts/train_amp.py")]:
-        trainjob = check(name)
-        assert trainjob.spec.runtime_ref.kind == "TrainingRuntime"
-        assert trainjob.spec.runtime_ref.name == runtime.metadata.name
-        trainer = trainjob.spec.trainer
-        assert trainer.command == ["torchrun", script] and trainer.num_nodes == 2
-        assert trainer.image == job.template.spec.containers[0].image
-        # one process per GPU; the webhook rejects PET_* in trainer.env
-        assert trainer.num_proc_per_node == trainer.resources_per_node.limits["nvidia.com/gpu"].actual_instance
-        assert not any(e.name.startswith("PET_") for e in trainer.env or [])
-    assert "--mixed-precision" in (amp := check("train_amp_bf16.yaml").spec.trainer.args)
+        trainjob = manifest(name)
+        assert trainjob["spec"]["runtimeRef"]["kind"] == runtime["kind"]
+        assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+        trainer = trainjob["spec"]["trainer"]
+        assert trainer["command"] == ["python", str(POD_ENTRY.relative_to(ROOT)), script]
+        assert trainer["image"] == node_container(runtime)["image"]
+        # one process per GPU; Trainer's webhook refuses PET_* in trainer.env, and the runtime's env
+        # must not set them either (the Torch plugin does)
+        assert trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+        assert not [e for e in trainer.get("env", []) + node_container(runtime)["env"] if e["name"].startswith("PET_")]
+    assert "--mixed-precision" in (amp := manifest("train_amp_bf16.yaml")["spec"]["trainer"]["args"])
     assert amp[amp.index("--mixed-precision") + 1] == "bf16"
+    # the pod entry's constants are the training processes'
+    entry = importlib.util.spec_from_file_location("torchrun_pod", POD_ENTRY)
+    module = importlib.util.module_from_spec(entry)
+    entry.loader.exec_module(module)
+    assert (module.STOPPED, module.RECORDS) == (STOPPED_EXIT_CODE, STOP_RECORDS_VARIABLE)
+
+
+def test_the_grace_period_holds_the_stop_and_torchruns_wait():
+    """SIGTERM to SIGKILL: torchrun's wait for its processes (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then
+    torchrun's own exit, within the pod's grace period; the wait is what this torch reads."""
+    runtime = manifest("runtime.yaml")
+    wait = int(runtime_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])
+    grace = pod_spec(runtime)["terminationGracePeriodSeconds"]
+    assert grace >= wait + 30, (wait, grace)  # 30 s for torchrun's own exit (runtime.yaml's comment)
+    launcher = Path(torch.__file__).parent / "distributed" / "launcher" / "api.py"
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in launcher.read_text()
+
+
+def test_the_image_runs_as_the_runtimes_user_on_a_pinned_base_and_torch():
+    """As far as this machine can check a Dockerfile (no Docker engine, no hadolint, no registry):
+    the instructions, the base image by digest, torch at the release read here, not root."""
+    instructions = dockerfile()
+    known = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "RUN", "USER", "LABEL", "EXPOSE", "ENTRYPOINT", "CMD"}
+    assert {keyword for keyword, _ in instructions} <= known
+    (base,) = [args for keyword, args in instructions if keyword == "FROM"]
+    assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", base), base
+    args = dict(a.split("=", 1) for keyword, a in instructions if keyword == "ARG" and "=" in a)
+    assert args["TORCH_VERSION"] == torch.__version__.split("+")[0]  # the torch whose torchrun was read
+    installs = [a for keyword, a in instructions if keyword == "RUN" and "pip install" in a]
+    assert all("torch==$TORCH_VERSION" in a for a in installs if "torch" in a), installs
+    users = [a for keyword, a in instructions if keyword == "USER"]
+    assert instructions[-1][0] == "USER" and users[-1].split(":")[0] not in ("0", "root")
+    context = pod_spec(manifest("runtime.yaml"))["securityContext"]
+    assert context["runAsNonRoot"] and users[-1] == f"{context['runAsUser']}:{context['runAsGroup']}"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs"} <= set(ignored)
 
 
 # ------------------------------------------------------------------------------- job identity
@@ -239,9 +427,15 @@ def test_a_job_its_scheduler_names_needs_an_output_dir(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------- the pods
 
 
+def container_exit(returncode: int) -> int:
+    """The exit code Kubernetes reports for a container whose PID 1 ended with ``returncode``
+    (Popen's: -N for a signal): 128 + N when killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 class Job:
     """A 2-node TrainJob of train_ddp.yaml in a workspace (the image's WORKDIR: scripts/, runs/),
-    its pods simulated as torchrun agents on this machine."""
+    its pods simulated as the TrainJob's command (torchrun_pod.py, running torchrun) on this machine."""
 
     def __init__(self, workspace: Path, name: str):
         self.workspace, self.name, self.uid = workspace, name, str(uuid.uuid4())
@@ -250,13 +444,16 @@ class Job:
         self.attempt = 0
 
     def pod_env(self, rank: int, port: int) -> dict:
-        """The pod's environment: the runtime's env, the downward API's labels in it, and the Torch
-        plugin's PET_* (on a cluster PET_MASTER_ADDR is train-ddp-node-0-0.train-ddp, the port 29500)."""
+        """The pod's environment: the image's, the runtime's env, the downward API's labels in it,
+        and the Torch plugin's PET_* (on a cluster PET_MASTER_ADDR is train-ddp-node-0-0.train-ddp,
+        the port 29500)."""
         labels = {"jobset.sigs.k8s.io/jobset-uid": self.uid, "jobset.sigs.k8s.io/jobset-name": self.name}
         env = {name: value for name, value in user_env().items()  # nothing of a launcher around this test
                if not name.startswith(("PET_", "TORCHELASTIC_", "SLURM_", JOB_ID_VARIABLE))}
-        env.update(CIFAR_CACHE_DIR=str(self.workspace / ".cache"), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(self.workspace.parent / "probe"), EXIT_RECORDS=str(self.records))
+        # the image's WORKDIR is the workspace; common/ from this checkout (installed in the image)
+        env.update({name: value.replace("/workspace", str(self.workspace)) for name, value in image_env().items()})
+        env.update(OMP_NUM_THREADS="1", EXIT_RECORDS=str(self.records),
+                   PYTHONPATH=os.pathsep.join([str(self.workspace.parent / "probe"), str(ROOT)]))
         trainer = manifest("train_ddp.yaml")["spec"]["trainer"]
         for item in node_container(manifest("runtime.yaml"))["env"] + trainer.get("env", []):
             source = item.get("valueFrom", {})
@@ -303,19 +500,23 @@ class Job:
             p.unlink()
         return found
 
+    def checkpoints(self) -> list[int]:
+        return sorted(int(p.name.rpartition("_")[2]) for p in (self.folder / "checkpoints").glob("step_*"))
 
-def wait_for(path: Path, pods, timeout=120):
+
+def wait_for(done, pods, what: str, timeout=120):
     deadline = time.time() + timeout
-    while not path.exists():
-        assert all(p.poll() is None for p in pods), "a pod ended before it wrote " + str(path)
-        assert time.time() < deadline, f"{path} never appeared"
+    while not done():
+        assert all(p.poll() is None for p in pods), f"a pod ended before {what}"
+        assert time.time() < deadline, f"{what} never happened"
         time.sleep(0.05)
 
 
 def finish(pods, timeout=180) -> list[int]:
-    """The pods' exit codes; those still running after ``timeout`` are killed."""
+    """The pods' exit codes as Kubernetes reports them; those still running after ``timeout`` are
+    killed."""
     try:
-        return [p.wait(timeout) for p in pods]
+        return [container_exit(p.wait(timeout)) for p in pods]
     except subprocess.TimeoutExpired:
         for p in pods:
             if p.poll() is None:
@@ -326,9 +527,9 @@ def finish(pods, timeout=180) -> list[int]:
 def lose_node(pod: subprocess.Popen) -> None:
     """SIGKILL to every process of the pod at once, as when its node is lost: torchrun starts its
     workers in sessions of their own, and a worker whose agent dies first would stop with a
-    checkpoint (PR_SET_PDEATHSIG), so the workers go first."""
-    agent = psutil.Process(pod.pid)
-    for process in [*agent.children(recursive=True), agent]:
+    checkpoint (PR_SET_PDEATHSIG), so the deepest processes go first."""
+    entry = psutil.Process(pod.pid)
+    for process in [*reversed(entry.children(recursive=True)), entry]:
         with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile
             process.send_signal(signal.SIGKILL)
 
@@ -348,10 +549,12 @@ def clean(output: str) -> bool:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """The image's WORKDIR: the project's scripts/ (common/ is installed), runs/ for the volume."""
+    """The image's WORKDIR: the project's scripts/ and accelerate_configs/ (common/ is installed),
+    runs/ for the volume."""
     folder = tmp_path_factory.mktemp("k8s") / "workspace"
     folder.mkdir()
-    (folder / "scripts").symlink_to(ROOT / "scripts")
+    for name in ("scripts", "accelerate_configs"):
+        (folder / name).symlink_to(ROOT / name)
     probe = folder.parent / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(EXIT_RECORDER)
@@ -365,11 +568,11 @@ def reference(workspace):
     and run beside the interrupted job, whose pods leave the cores idle while they start, fail and
     stop; called, its run folder once it has ended."""
     job = Job(workspace, "reference")
-    command = job.command(job.pod_env(0, 0))
-    processes = Processes(workspace / command[1], *command[2:], cwd=workspace)  # rank0.out ... in the workspace
+    script, *flags = job.command(job.pod_env(0, 0))[2:]  # python torchrun_pod.py SCRIPT FLAGS
+    processes = Processes(workspace / script, *flags, cwd=workspace)  # rank0.out ... in the workspace
 
     def ended() -> Path:
-        assert processes.wait(timeout=180) == [0, 0], processes.output()
+        assert processes.wait(timeout=240) == [0, 0], processes.output()
         assert all(clean(processes.stderr(rank)) for rank in (0, 1)), processes.output()
         return job.folder
 
@@ -377,72 +580,213 @@ def reference(workspace):
     processes.kill()  # a test that failed before the reference ended
 
 
+def stopped_by_sigterm(job: Job, signalled: list[int]) -> dict:
+    """Both pods started again; once they saved a checkpoint newer than the one they resumed from,
+    SIGTERM to PID 1 of the ``signalled`` pods' containers (an eviction, a deletion, a suspension)."""
+    before = max(job.checkpoints(), default=0)
+    pods = job.start()
+    wait_for(lambda: max(job.checkpoints(), default=0) > before, pods, f"a checkpoint after step {before}")
+    sent = time.perf_counter()
+    for rank in signalled:
+        pods[rank].send_signal(signal.SIGTERM)
+    codes = finish(pods, timeout=300)
+    return {"codes": codes, "seconds": time.perf_counter() - sent, "exits": job.exits(), "resumed": before,
+            "listed": listing(job.folder), "attempt": job.attempt, "signalled": signalled}
+
+
 @pytest.fixture(scope="module")
 def interrupted(workspace, reference):
-    """The TrainJob with a pod killed after the step-4 checkpoint, restarted, preempted (SIGTERM to
-    both pods) after the step-8 checkpoint, and restarted again to its end."""
+    """The TrainJob with a pod killed after the step-2 checkpoint (a crash), then restarted each
+    time: the first pod evicted, the second pod evicted, both stopped by a suspension, and
+    the job finished."""
     job = Job(workspace, "train-ddp")
     found = {}
     pods = job.start()
-    wait_for(job.folder / "checkpoints" / "step_00000004", pods)
+    wait_for(lambda: 2 in job.checkpoints(), pods, "the step-2 checkpoint")
     lose_node(pods[1])
     killed = time.perf_counter()
-    found["crash"] = finish(pods, timeout=120), time.perf_counter() - killed, job.exits()
-
-    pods = job.start()  # the JobSet restart: new pods, the same JobSet uid
-    wait_for(job.folder / "checkpoints" / "step_00000008", pods)
-    sent = time.perf_counter()
-    for pod in pods:
-        pod.send_signal(signal.SIGTERM)  # to PID 1 of each container: torchrun
-    codes = finish(pods, timeout=300)
-    found["preempted"] = codes, time.perf_counter() - sent, job.exits(), listing(job.folder)
-
+    found["crash"] = {"codes": finish(pods, timeout=120), "seconds": time.perf_counter() - killed,
+                      "exits": job.exits(), "attempt": job.attempt}
+    # each start after the first is the JobSet's restart, which the runtime's policies decide
+    # from the pods' exit statuses (restarts_table: every order)
+    previous = "crash"
+    # pod 0 holds torchrun's store; a suspended Job deletes every pod
+    for scenario, signalled in [("pod 0 evicted", [0]), ("pod 1 evicted", [1]), ("suspended", [0, 1])]:
+        the_jobset_restarts(found, previous)
+        found[scenario], previous = stopped_by_sigterm(job, signalled), scenario
+    the_jobset_restarts(found, previous)
     pods = job.start()
-    found["finished"] = finish(pods), None, job.exits()
-    found["outputs"] = {attempt: [job.output(attempt, rank) for rank in (0, 1)] for attempt in (1, 2, 3)}
+    found["finished"] = {"codes": finish(pods), "exits": job.exits(), "attempt": job.attempt}
+    found["outputs"] = {attempt: [job.output(attempt, rank) for rank in (0, 1)] for attempt in range(1, 6)}
     return job, found
 
 
-def test_a_lost_node_fails_the_other_pod_at_once(interrupted):
+def test_a_lost_pod_fails_the_other_pod_at_once(interrupted):
     """The other pod's worker meets the closed connection in its next all-reduce and says so in one
-    line, with gloo's words (common.failures), its torchrun with exit 1: the Job fails and the JobSet
-    restarts both pods, instead of waiting out --dist-timeout."""
+    line, with gloo's words (common.failures); its pod exits 1: the Job fails, counted."""
     _, found = interrupted
-    codes, seconds, exits = found["crash"]
+    crash = found["crash"]
     survivor = found["outputs"][1][0]
-    print(f"\na node lost: the other pod ended {seconds:.1f} s later")
-    assert codes == [1, -signal.SIGKILL] and seconds < 60, survivor[-3000:]
+    print(f"\na pod lost: the other pod ended {crash['seconds']:.1f} s later")
+    assert crash["codes"] == [1, 128 + signal.SIGKILL] and crash["seconds"] < 60, survivor[-3000:]
     lines = re.findall(r"error: .*", survivor)
     assert len(lines) == 1 and re.match(r"error: process 0 lost another process of the job in a collective "
                                         r"\(.*Connection (closed|reset) by peer", lines[0]), survivor[-3000:]
     assert re.search(r"exitcode\s*: 1 ", survivor) and bad_ends(survivor) == [], survivor[-3000:]
-    assert exits == {}  # neither worker reached sys.exit: one killed, one ended (os._exit) in the all-reduce
+    assert crash["exits"] == {}  # neither worker reached sys.exit: one killed, one ended (os._exit) in the all-reduce
 
 
-def test_the_restarted_job_continues_by_itself_and_is_preempted_with_a_checkpoint(interrupted):
+@pytest.mark.parametrize("scenario", ["pod 0 evicted", "pod 1 evicted", "suspended"])
+def test_a_sigterm_stops_every_pod_with_a_checkpoint_and_exit_75(interrupted, scenario):
+    """SIGTERM to one pod (evicted) or to both (suspended): every worker of the job stops after the
+    same step, saves and exits 75; torchrun exits 1 in every pod, through its signal path in a pod
+    that got the SIGTERM and through a worker's failure in the other, and torchrun_pod.py turns
+    that into 75; the job started again continues from that checkpoint by itself."""
     job, found = interrupted
-    restarted = found["outputs"][2]
-    assert "resumed from runs/train-ddp/checkpoints/step_00000004" in restarted[0], restarted[0][-3000:]
-    codes, seconds, exits, listed = found["preempted"]
-    wait = int(runtime_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])  # below the grace period
-    print(f"\nSIGTERM to both pods to the end of both: {seconds:.1f} s (torchrun waits {wait} s)")
-    # torchrun exits 1 after passing a signal on (torch's SignalException); its workers exit 75
-    assert codes == [1, 1] and seconds < wait, restarted
-    assert sorted(exits.values()) == [STOPPED, STOPPED] and len(exits) == 2, exits
-    (stop,) = map(int, re.findall(r"stopped by SIGTERM after step (\d+)", restarted[0]))
-    assert 8 <= stop < 12 and f"checkpoints/step_{stop:08d}" in listed and "model.safetensors" not in listed
-    assert f"resumed from runs/train-ddp/checkpoints/step_{stop:08d}" in found["outputs"][3][0]
-    for output in restarted:  # the only traceback is the launcher's own, one per agent
-        assert output.count("Traceback") == output.count("SignalException: Process") == 1, output[-3000:]
+    stop = found[scenario]
+    outputs = found["outputs"][stop["attempt"]]
+    wait = int(runtime_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]["value"])
+    print(f"\n{scenario}: SIGTERM to the end of both pods {stop['seconds']:.1f} s (torchrun waits {wait} s)")
+    assert stop["codes"] == [STOPPED, STOPPED] and stop["seconds"] < wait, outputs
+    assert sorted(stop["exits"].values()) == [STOPPED, STOPPED] and len(stop["exits"]) == 2, stop["exits"]
+    resumed = f"resumed from runs/train-ddp/checkpoints/step_{stop['resumed']:08d}"
+    assert resumed in outputs[0], outputs[0][-3000:]
+    # one line from each node's first process; after a signal to another node's, it says so
+    steps = {int(step) for step in re.findall(r"stopped by (?:SIGTERM|a stop signal to another process) "
+                                              r"after step (\d+)", "".join(outputs))}
+    assert len(steps) == 1, outputs
+    (step,) = steps
+    assert step > stop["resumed"] and f"checkpoints/step_{step:08d}" in stop["listed"]
+    assert "model.safetensors" not in stop["listed"]
+    assert f"resumed from runs/train-ddp/checkpoints/step_{step:08d}" in found["outputs"][stop["attempt"] + 1][0]
+    for rank, output in enumerate(outputs):
+        # torchrun alone exits 1: in its signal path (SignalException) or in its failure path
+        path = "SignalException: Process" if rank in stop["signalled"] else "errors.ChildFailedError:"
+        assert f"torchrun_pod.py: torchrun exited 1, every training process of this pod stopped" in output, output
+        assert output.count("Traceback") == output.count(path) == 1, output[-3000:]  # torchrun's own only
         assert "terminate called" not in output
 
 
 def test_the_job_started_again_ends_at_the_weights_of_an_uninterrupted_run(interrupted, reference):
     job, found = interrupted
-    codes, _, exits = found["finished"]
-    outputs = found["outputs"][3]
-    assert codes == [0, 0] and sorted(exits.values()) == [0, 0] and all(map(clean, outputs)), outputs
+    finished = found["finished"]
+    outputs = found["outputs"][5]
+    assert finished["codes"] == [0, 0] and sorted(finished["exits"].values()) == [0, 0], outputs
+    assert all(map(clean, outputs)), outputs
     assert "--resume" not in job.command(job.pod_env(0, 1))  # by itself
     assert_same_weights(job.folder, reference())
     records = [json.loads(line) for line in (job.folder / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["step"]) for r in records] == [(1, 6), (2, 12)]  # one run, one record
+    assert [(r["epoch"], r["step"]) for r in records] == [(1, 8), (2, 16)]  # one run, one record
+
+
+EVICTED = ("DisruptionTarget", "True")  # the condition an eviction (API, scheduler, kubelet) gives a pod
+
+
+def failed_pods(found: dict, scenario: str) -> list[Pod]:
+    """The pods of ``scenario`` as the Job controller reads them: each one's exit status as it
+    really ended, the eviction's condition on the pod it evicted, untracked in a suspended Job."""
+    run = found[scenario]
+    return [Pod(f"node-0-{rank}", code, (EVICTED,) if scenario.endswith("evicted") and rank in run["signalled"]
+                else (), tracked=scenario != "suspended")
+            for rank, code in enumerate(run["codes"]) if code != 0]
+
+
+def the_jobset_restarts(found: dict, scenario: str) -> None:
+    """The runtime's policies restart the job after ``scenario``, whichever pod fails first."""
+    pods = failed_pods(found, scenario)
+    actions = {outcome(manifest("runtime.yaml"), list(order))[1] for order in itertools.permutations(pods)}
+    assert actions <= {"RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"} and actions, (scenario, actions)
+
+
+def restarts_table(runtime: dict, found: dict) -> list[tuple[str, str, str | None, str | None, int]]:
+    """(what happened, the pod the Job controller sees fail first, the Job's reason, the JobSet's
+    action, restarts counted against maxRestarts), for every order of the pods' failures."""
+    rows = []
+    for scenario in ("crash", "pod 0 evicted", "pod 1 evicted", "suspended", "finished"):
+        pods = failed_pods(found, scenario)
+        for order in itertools.permutations(pods) if pods else [()]:
+            first = (f"{order[0].name} (exit {order[0].exit_code}"
+                     + "".join(f", {kind}" for kind, _ in order[0].conditions) + ")") if order else "none fails"
+            rows.append((scenario, first, *outcome(runtime, list(order))))
+    return rows
+
+
+def test_a_stop_never_counts_against_max_restarts_and_a_crash_does(interrupted):
+    """The table of item 1: whichever pod the Job controller sees fail first, an eviction of
+    either pod and a suspension restart the job without counting; a crash counts."""
+    _, found = interrupted
+    runtime = manifest("runtime.yaml")
+    rows = restarts_table(runtime, found)
+    print("\n| what happened | seen first | Job's reason | JobSet's action | counted |")
+    print("\n".join(f"| {' | '.join(map(str, row))} |" for row in rows))
+    expected = {"crash": ("BackoffLimitExceeded", "RestartJobSet", 1),
+                "pod 0 evicted": ("PodFailurePolicy", "RestartJobSetAndIgnoreMaxRestarts", 0),
+                "pod 1 evicted": ("PodFailurePolicy", "RestartJobSetAndIgnoreMaxRestarts", 0),
+                # a FailJob match fails even a suspended Job (getFailJobMessage reads every pod); a
+                # sync that comes after the pods are gone finds nothing: free either way
+                "suspended": ("PodFailurePolicy", "RestartJobSetAndIgnoreMaxRestarts", 0),
+                "finished": (None, None, 0)}
+    assert [(row[0], row[2:]) for row in rows] == [(row[0], expected[row[0]]) for row in rows]
+    assert len(rows) == 9  # both orders of every failure
+    # Negative controls, the same exit statuses: without the exit-code rule (the policy before), an
+    # eviction counts when the controller sees the other pod fail first; a JobSet rule naming
+    # another reason counts every stop.
+    spoilt = copy.deepcopy(runtime)
+    job_spec(spoilt)["podFailurePolicy"]["rules"].pop(0)
+    peer_first = [row for row in restarts_table(spoilt, found) if row[0] == "pod 1 evicted" and "node-0-0" in row[1]]
+    assert [row[2:] for row in peer_first] == [("BackoffLimitExceeded", "RestartJobSet", 1)]
+    spoilt = copy.deepcopy(runtime)
+    spoilt["spec"]["template"]["spec"]["failurePolicy"]["rules"][0]["onJobFailureReasons"] = ["DeadlineExceeded"]
+    assert {row[4] for row in restarts_table(spoilt, found) if row[0] != "finished"} == {1}
+
+
+# ------------------------------------------------------------------------------ torchrun's wait
+
+
+def test_torchruns_wait_for_its_processes_is_torch_elastic_shutdown_timeout(tmp_path):
+    """A process that needs 5 s to stop after a SIGTERM: torchrun SIGKILLs it under a 1 s wait, and
+    lets it finish under a 10 s one. Both launches at once, each --standalone (a port of its own)."""
+    runs = {}
+    for wait in (1, 10):
+        out = tmp_path / f"wait{wait}"
+        out.mkdir()
+        env = {**user_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(wait), "OMP_NUM_THREADS": "1"}
+        log = open(out / "torchrun.log", "w")
+        runs[wait] = out, subprocess.Popen(
+            [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(ROOT / "tests" / "slow_stop.py"),
+             str(out), "5"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+    for out, launcher in runs.values():
+        wait_for(lambda: (out / "ready").exists(), [launcher], "the process's start", timeout=60)
+    sent = time.perf_counter()
+    for _, launcher in runs.values():
+        launcher.send_signal(signal.SIGTERM)
+    ended = {}
+    for wait, (out, launcher) in runs.items():
+        ended[wait] = launcher.wait(30), time.perf_counter() - sent, (out / "stopped").exists()
+    print(f"\nSIGTERM to torchrun's end: {ended[1][1]:.1f} s under a 1 s wait, {ended[10][1]:.1f} s under 10 s")
+    killed, finished = (runs[w][0] / "torchrun.log" for w in (1, 10))
+    # torchrun exits 1 after passing a signal on, either way (torch's SignalException)
+    assert ended[1][0] == 1 and not ended[1][2] and ended[1][1] < 5, killed.read_text()
+    forced = r"Unable to shutdown process \d+ via (15|Signals.SIGTERM), forcefully exiting via (9|Signals.SIGKILL)"
+    assert re.search(forced, killed.read_text()), killed.read_text()
+    assert ended[10][0] == 1 and ended[10][2] and 5 <= ended[10][1] < 10, finished.read_text()
+    assert "forcefully exiting" not in finished.read_text()
+
+
+def test_the_pod_entry_warns_when_its_torch_ignores_the_wait(tmp_path):
+    """A torch from before pytorch PR #172596 kills the processes 30 s after a SIGTERM whatever
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT says: torchrun_pod.py says so in one line; this torch, nothing."""
+    old = tmp_path / "torch"
+    (old / "distributed" / "launcher").mkdir(parents=True)
+    (old / "__init__.py").write_text("")
+    (old / "distributed" / "launcher" / "api.py").write_text("shutdown_timeout = 30\n")
+    call = f"import runpy; runpy.run_path({str(POD_ENTRY)!r})['warn_if_the_wait_is_ignored']()"
+    env = {**user_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}
+    ours = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, check=True)
+    theirs = subprocess.run([sys.executable, "-c", call], env={**env, "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, check=True)
+    assert ours.stderr == ""
+    assert theirs.stderr == (f"warning: this torch ({old / 'distributed' / 'launcher' / 'api.py'}) does not read "
+                             f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torchrun SIGKILLs the training processes 30 s after "
+                             f"a SIGTERM; use the torch the Dockerfile pins\n")

@@ -8,6 +8,7 @@ or, in fp16, a run of skipped steps. ``announce_stop`` says which, in one line.
 import ctypes
 import dataclasses
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +29,11 @@ DIVERGED_EXIT_CODE = 1
 # hold weights that a lower --lr cannot bring back, and the advice after a NaN passes them over.
 GROWN = 10
 _PR_SET_PDEATHSIG = 1
+# A launcher that says how its processes ended names a folder here: torchrun exits 1 whether they
+# failed or stopped with a checkpoint, and a Kubernetes policy reads only the pod's exit status
+# (accelerate_configs/kubernetes/torchrun_pod.py). A process that stopped with its checkpoint
+# saved leaves a file there, holding the number of processes on its node.
+STOP_RECORDS_VARIABLE = "TRAINING_STOP_RECORDS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +190,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
         accelerator.end_training()
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, signal.SIG_IGN)
+        record_the_saved_stop()
     else:
         end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
         ignore_the_launchers_stop()  # every process exits 1 by itself
@@ -191,6 +198,19 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
             print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
     return stop.exit_code
+
+
+def record_the_saved_stop() -> None:
+    """For a launcher that asks (STOP_RECORDS_VARIABLE): this process stopped with its checkpoint
+    saved. A record that cannot be written costs the job a restart it could have had for free."""
+    folder = os.environ.get(STOP_RECORDS_VARIABLE)
+    if folder:
+        try:
+            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(
+                os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except OSError as error:
+            print(f"warning: cannot record the stop in {STOP_RECORDS_VARIABLE}={folder} ({error}): "
+                  f"the launcher reports a failure", file=sys.stderr, flush=True)
 
 
 def _signal_when_parent_dies(signum: int) -> None:
