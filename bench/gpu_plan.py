@@ -58,7 +58,7 @@ PLAN = [
     bench("benchmark-tta", "time to accuracy, launch to done line: the defaults (--compile auto: "
           "CUDA graphs), the eager defaults, the fastest (bf16, batch 512, CUDA graphs), each "
           "compiled one launched again from the cache; operators and CUDA runtime calls per step "
-          "against the plain loop, eager and with the defaults", 170, "--strategies", "single",
+          "against the plain loop, eager and with the defaults", 200, "--strategies", "single",
           "--checks", "tta", "ops", bf16=True),
     bench("benchmark-defaults", "img/s at batch 128: the defaults against eager and the fastest "
           "configuration; data wait; the plain-loop ratio", 90, "--steps", "30", "--strategies",
