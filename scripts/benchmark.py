@@ -68,7 +68,7 @@ Launch:
     python scripts/benchmark.py --strategies single --checks loader workers   # the input paths only
     python scripts/benchmark.py --model resnet20 --strategies single --checks finetune
                                                              # what each fine-tuning flag costs
-    make bench                                               # the CPU benchmark, ~15 min on 2 cores
+    make bench                                               # the CPU benchmark, ~20 min on 2 cores
 Writes benchmark.json (every figure, the protocol, the machine), benchmark.md (the tables) and
 benchmark.png (the chart) to --output-dir; the exit status is 1 if a row failed to run.
 """
