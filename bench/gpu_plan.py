@@ -98,9 +98,9 @@ PLAN = [
           "train_amp bf16)", 55, "--steps", "30", "--strategies", "single", "bf16", "--checks",
           "overhead", "precision"),
     bench("benchmark-b512", "the plain-loop ratio and data wait at batch 512; the bf16 epoch "
-          "with and without CUDA graphs", 85, "--steps", "30", "--per-device-batch-size", "512",
-          "--strategies", "single", "bf16", "bf16-graphs", "--checks", "overhead", "precision",
-          bf16=True),
+          "with and without CUDA graphs; train_single's defaults at 512", 100, "--steps", "30",
+          "--per-device-batch-size", "512", "--strategies", "single", "defaults", "bf16",
+          "bf16-graphs", "--checks", "overhead", "precision", bf16=True),
     # ---- the rest: proven on one GPU before, or needing several GPUs
     check(f"{LEARNS}[train_ddp-all-compile]", "--compile (default mode) under DDP learns", 75,
           extra=True),

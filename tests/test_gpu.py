@@ -651,7 +651,7 @@ def test_the_report_renders_fabricated_results(tmp_path):
                                     "scripts/gpu_check.py")
     assert report["passed"] is False and report["slug"] == "nvidia-h100-80gb-hbm3"  # a check failed
     # 0.98x; 2 % wait; 1.67 s on an H100 without CUDA graphs (the graphs row is not the epoch target's), 0.8 s with
-    assert [t["met"] for t in report["targets"]] == [True, False, True, False]
+    assert [t["met"] for t in report["targets"]] == [True, False, True, False, None]  # no defaults row
     assert report["targets"][3]["measured"] == "0.80 s (bf16-graphs label, batch 128)"
     assert report["targets"][1]["measured"] == "at most 2.00 % (bf16 label, batch 128)"
     gpu_report.write_report(tmp_path, report)
@@ -666,6 +666,12 @@ def test_the_report_renders_fabricated_results(tmp_path):
     assert "| bf16 | 128 | not run: out of GPU memory |" in text and "- within 1e-3" in text
     assert "Peak memory, as benchmark.py measured it: GPU, nvidia-smi (nvidia-smi: " in text
     assert "keep this report as docs/gpu/nvidia-h100-80gb-hbm3.md" in text.lower()
+    # The defaults (--compile auto) against the fastest train_single row measured, whatever its batch.
+    singles = [{**r, "script": "train_single.py"} for r in gpu_check.script_rows({"rows": [
+        row("single", "fp32", 10_000.0), row("defaults", "fp32", 8_000.0), row("defaults", "fp32", 12_000.0, batch=512)]},
+        {"fp32": 10_000.0})]
+    defaults = gpu_report.evaluate_targets(singles, ["NVIDIA H200"])[4]
+    assert defaults["met"] is False and defaults["measured"] == "0.67x (8,000 vs 12,000 img/s, defaults label, batch 512)"
     # On another GPU the H100 target is reported, not judged; a row that failed fails the report.
     other = gpu_report.evaluate_targets(rows, ["NVIDIA A100-SXM4-80GB"])
     assert other[2]["met"] is None and other[2]["measured"].endswith("this is NVIDIA A100-SXM4-80GB")
