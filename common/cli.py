@@ -237,13 +237,10 @@ def check_args(args: argparse.Namespace) -> None:
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
                 "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
-                "--grad-accum": args.grad_accum}
-    if args.checkpoint_every is not None:
-        positive["--checkpoint-every"] = args.checkpoint_every
-    if args.max_steps is not None:
-        positive["--max-steps"] = args.max_steps
+                "--grad-accum": args.grad_accum, "--checkpoint-every": args.checkpoint_every,
+                "--max-steps": args.max_steps}  # the last two: None, not given
     for flag, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)
