@@ -138,8 +138,8 @@ def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
     if set(rows) <= {None}:
         return None
     order = sorted(rows.items(), key=lambda item: item[1][2 if gpu else 1], reverse=True)
-    return _table("called from the loop", 56, "ops",
-                  [(caller or "no Python caller", *row) for caller, row in order[:ROWS]], steps, gpu)
+    top = [(caller or "no Python caller", *row) for caller, row in order[:ROWS]]
+    return _table("called from the loop", 56, "ops", top, steps, gpu)
 
 
 def _device_time(event) -> float:  # torch >= 2.4 names it self_device_time_total

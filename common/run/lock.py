@@ -161,7 +161,8 @@ class RunLock:
         self._refuse(_read_holder(self.path) or {})  # another job took it over at the same moment
 
     def _hold(self, fd: int, me: dict) -> None:
-        """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in it."""
+        """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in
+        it."""
         if not RunLock._hooked:
             atexit.register(RunLock._release_all)
             # DataLoader workers must not release it
