@@ -4,7 +4,6 @@ import argparse
 import math
 
 import torch
-import torchvision
 
 from common.data.flags import add_augment_args, add_data_args, check_augment_args, check_data_args
 from common.data.pretrained import check_fine_tuning
@@ -13,13 +12,7 @@ from common.files import check_folder
 from common.observe.profiling import profile_steps
 from common.parallel.launch import SHARE_GPUS
 from common.recipe.compiling import COMPILE_CHOICES, COMPILE_MODES, check_compile
-from common.recipe.models import (
-    TIMM_PREFIX,
-    TORCHVISION_PREFIX,
-    build_model,
-    check_timm_name,
-    model_names,
-)
+from common.recipe.models import TIMM_PREFIX, check_model_name, model_names
 from common.recipe.optim import DEFAULT_LR
 
 # The largest --seed: accelerate.utils.set_seed seeds numpy too, whose seeds are 32-bit.
@@ -244,13 +237,10 @@ def check_args(args: argparse.Namespace) -> None:
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
                 "--keep-checkpoints": args.keep_checkpoints,
                 "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
-                "--grad-accum": args.grad_accum}
-    if args.checkpoint_every is not None:
-        positive["--checkpoint-every"] = args.checkpoint_every
-    if args.max_steps is not None:
-        positive["--max-steps"] = args.max_steps
+                "--grad-accum": args.grad_accum, "--checkpoint-every": args.checkpoint_every,
+                "--max-steps": args.max_steps}  # the last two: None, not given
     for flag, value in positive.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise UserError(f"{flag} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)
@@ -324,15 +314,3 @@ def check_milestones(milestones: list[int], epochs: int) -> None:
         raise UserError(f"--milestones {given}: must be increasing epochs from 1 to {epochs - 1} "
                         f"for --schedule step with --epochs {epochs}")
 
-
-def check_model_name(name: str) -> None:
-    """An unknown --model stops now, not after the data is loaded."""
-    known = name in model_names() or (name.startswith(TORCHVISION_PREFIX)
-                                      and name.removeprefix(TORCHVISION_PREFIX)
-                                      in torchvision.models.list_models(module=torchvision.models))
-    if name.startswith(TIMM_PREFIX):  # one line for an unknown model or pretrained tag
-        check_timm_name(name, name.removeprefix(TIMM_PREFIX))
-        known = True
-    if not known:
-        # builds nothing: raises the UserError that lists the valid names
-        build_model(name, num_classes=2)

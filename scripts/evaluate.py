@@ -22,13 +22,13 @@ import gc
 
 from accelerate import Accelerator
 
-from common.cli import Parser, check_model_name
+from common.cli import Parser
 from common.data.flags import add_data_args, check_data_args, data_options
 from common.data.images import INTERPOLATIONS
 from common.data.inputs import load_test_inputs
 from common.errors import UserError
 from common.recipe.evaluation import evaluate
-from common.recipe.models import build_model
+from common.recipe.models import build_model, check_model_name
 from common.run.weights import load_weights, non_finite, read_metadata
 
 

@@ -20,13 +20,12 @@ import torch
 from filelock import FileLock
 
 from common.data.carve import carve_decoded
-from common.data.decode import decode_source, fit_all
+from common.data.decode import decode_source
 from common.data.formats import detect_format
 from common.data.hub import hub_repo
 from common.data.options import cache_folder, default_cache_dir
 from common.data.sources import check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
-from common.data.synthetic import make_synthetic
 from common.errors import UserError, first_line
 from common.failures import why_not_written
 from common.files import atomic_write
@@ -42,14 +41,13 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
     """``open_source``'s dataset decoded: every image at ``image_size`` (shorter side resized with
     ``interpolation``, centre square cropped) or, with None, at the size all images share. Cached,
     except synthetic data."""
-    if dataset == "synthetic" and data_dir is None:
-        check_dataset_name(dataset)
-        data = make_synthetic(synthetic_train_size, synthetic_test_size, synthetic_classes, seed)
-        if image_size not in (None, data.train_images.shape[-1]):
-            data = dataclasses.replace(
-                data, train_images=fit_all(data.train_images, image_size, interpolation),
-                test_images=fit_all(data.test_images, image_size, interpolation))
-        return carve_decoded(data, val_fraction, seed)
+    def build():
+        source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
+                                synthetic_test_size, synthetic_classes, seed)
+        return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad,
+                             interpolation)
+    if dataset == "synthetic" and data_dir is None:  # made again each time, never cached
+        return carve_decoded(build(), val_fraction, seed)
     folder = cache_folder(cache_dir)
     if data_dir is not None:
         root, files, _ = detect_format(Path(data_dir).expanduser())
@@ -58,12 +56,6 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
         check_dataset_name(dataset)
         key = _hub_key(dataset)
     name = cache_name(key, image_size, interpolation, skip_bad)
-
-    def build():
-        source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
-                                synthetic_test_size, synthetic_classes, seed)
-        return decode_source(checked(source, carving=bool(val_fraction)), image_size, skip_bad,
-                             interpolation)
     data = _cached(folder / name, build)
     if not val_fraction and not len(data.test_labels):  # cached by a run that carved its split
         where = data.source.split(" (cached at ")[0]

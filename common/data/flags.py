@@ -2,6 +2,7 @@
 batches are augmented; DataOptions made from them (data_options)."""
 
 import argparse
+import dataclasses
 import math
 
 from common.data.options import DataOptions
@@ -127,26 +128,18 @@ def check_augment_args(args: argparse.Namespace) -> None:
                         f"applies one operation to every image)")
 
 
-# The training flags the input path reads; scripts/evaluate.py has none of them.
-TRAINING_DATA_FLAGS = ("seed", "batch_size", "grad_accum", "augment", "channels_last",
-                       "auto_augment", "random_erase", "mixup", "cutmix")
-
-
 def data_options(args: argparse.Namespace, weights=None) -> DataOptions:
     """What the input path needs of the parsed flags:
-    common.data.inputs.load_inputs(data_options(args), accelerator). The data flags, and those
-    training flags (TRAINING_DATA_FLAGS) the parser has.
+    common.data.inputs.load_inputs(data_options(args), accelerator). Each field of DataOptions the
+    parser has a flag for: the data flags, and the training flags it reads (scripts/evaluate.py has
+    none of those, and keeps their defaults).
     With pretrained ``weights`` (common.data.pretrained.Weights), their mean and std, their
     interpolation (Weights.resize_interpolation), and their input size unless --image-size is
     given."""
-    training = {name: getattr(args, name) for name in TRAINING_DATA_FLAGS if hasattr(args, name)}
-    image_size = args.image_size or (weights.input_size if weights else None)
-    normalization = weights.normalization if weights else None
-    interpolation = weights.resize_interpolation if weights else "bilinear"
-    return DataOptions(dataset=args.dataset, data_dir=args.data_dir, cache_dir=args.cache_dir,
-                       val_fraction=args.val_fraction, image_size=image_size,
-                       normalization=normalization, interpolation=interpolation,
-                       loader=args.loader, workers=args.workers,
-                       loader_budget=args.loader_budget, bad_images=args.bad_images,
-                       synthetic_train_size=args.synthetic_train_size,
-                       synthetic_test_size=args.synthetic_test_size, **training)
+    flags = {field.name: getattr(args, field.name) for field in dataclasses.fields(DataOptions)
+             if hasattr(args, field.name)}
+    if weights is None:
+        return DataOptions(**flags)
+    return DataOptions(**{**flags, "image_size": args.image_size or weights.input_size,
+                          "normalization": weights.normalization,
+                          "interpolation": weights.resize_interpolation})

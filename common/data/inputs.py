@@ -102,26 +102,10 @@ def load_inputs(options: DataOptions, accelerator) -> Inputs:
     processes; one line and exit status 1 when the data or the flags cannot work (one line on N
     processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
     processes."""
-    inputs = _load_inputs(options, accelerator)
+    inputs = _loaders(options, accelerator, train=True)
     inputs.mix = BatchMix(inputs.num_classes, options.mixup, options.cutmix, options.seed,
                           accelerator.process_index)
     return inputs
-
-
-def _load_inputs(options: DataOptions, accelerator) -> Inputs:
-    micro_batch = options.batch_size // options.grad_accum
-    data = refused_together(accelerator, _cached, options, options.image_size, options.batch_size)
-    if data is not None:
-        inputs = refused_together(accelerator, _from_cache, options, accelerator, data,
-                                  micro_batch, options.seed, options.val_fraction,
-                                  options.augment, options.normalization)
-        if inputs is not None:
-            return inputs
-    source = refused_together(accelerator, _open, options, options.seed, options.val_fraction,
-                              options.batch_size)
-    return refused_together(accelerator, _build, options, accelerator, source, options.image_size,
-                            micro_batch, options.seed, options.val_fraction,
-                            augment=options.augment, normalization=options.normalization)
 
 
 def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, batch_size: int,
@@ -130,26 +114,32 @@ def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, 
     ``normalization`` (None: the statistics of the training images) on the split ``eval_split``
     names (a training run's --val-fraction and --seed) or the data's own test split."""
     eval_split = eval_split or {}
-    val_fraction = options.val_fraction or eval_split.get("val_fraction")
-    seed = eval_split.get("seed", 0)
-    data = refused_together(accelerator, _cached, options, image_size)
+    options = dataclasses.replace(
+        options, image_size=image_size, batch_size=batch_size, grad_accum=1,
+        normalization=normalization, seed=eval_split.get("seed", 0),
+        val_fraction=options.val_fraction or eval_split.get("val_fraction"))
+    return _loaders(options, accelerator, train=False)
+
+
+def _loaders(options: DataOptions, accelerator, train: bool) -> Inputs:
+    """The loaders of ``options``, the training one only if ``train``: from the decode cache of an
+    earlier run when there is one, else from the source. A collective: every process refuses
+    together."""
+    data = refused_together(accelerator, _cached, options, train)
     if data is not None:
-        inputs = refused_together(accelerator, _from_cache, options, accelerator, data,
-                                  batch_size, seed, val_fraction, normalization=normalization)
+        inputs = refused_together(accelerator, _from_cache, options, accelerator, data, train)
         if inputs is not None:
             return inputs
-    source = refused_together(accelerator, _open, options, seed, val_fraction)
-    return refused_together(accelerator, _build, options, accelerator, source, image_size,
-                            batch_size, seed, val_fraction, normalization=normalization)
+    source = refused_together(accelerator, _open, options, train)
+    return refused_together(accelerator, _build, options, accelerator, source, train)
 
 
-def _open(options: DataOptions, seed: int, val_fraction: float | None,
-          batch_size: int | None = None):
+def _open(options: DataOptions, train: bool):
     source = open_source(options.dataset, options.data_dir, options.cache_dir,
-                         options.synthetic_train_size, options.synthetic_test_size, seed=seed,
-                         val_fraction=val_fraction)
-    if batch_size is not None:
-        _check_batch_size(batch_size, len(source.train))
+                         options.synthetic_train_size, options.synthetic_test_size,
+                         seed=options.seed, val_fraction=options.val_fraction)
+    if train:
+        _check_batch_size(options.batch_size, len(source.train))
     return source
 
 
@@ -159,8 +149,7 @@ def _check_batch_size(batch_size: int, train_size: int) -> None:
                         f"images: use a smaller --batch-size")
 
 
-def _cached(options: DataOptions, image_size: int | None,
-            batch_size: int | None = None):
+def _cached(options: DataOptions, train: bool):
     """A Hub dataset an earlier run decoded at its own size (CIFAR from the Hub, run after run):
     the device path starts from it without asking the Hub or `datasets` anything."""
     if options.loader == "workers" or options.data_dir is not None \
@@ -168,30 +157,27 @@ def _cached(options: DataOptions, image_size: int | None,
         return None
     data = cached_hub_data(options.dataset, options.cache_dir, options.bad_images == "skip",
                            options.interpolation)
-    if data is None or image_size not in (None, data.train_images.shape[-1]):
+    if data is None or options.image_size not in (None, data.train_images.shape[-1]):
         return None
-    if batch_size is not None:
-        _check_batch_size(batch_size, len(data.train_labels))
+    if train:
+        _check_batch_size(options.batch_size, len(data.train_labels))
     return data
 
 
-def _from_cache(options, accelerator, data, batch_size, seed, val_fraction, augment=None,
-                normalization=None):
-    size, device = data.train_images.shape[-1], accelerator.device
+def _from_cache(options: DataOptions, accelerator, data, train: bool) -> Inputs | None:
     images = len(data.train_labels) + len(data.test_labels)
-    loader, why = choose_loader(accelerator, options.loader, images, size, options.loader_budget)
-    if loader != "device" or not (val_fraction or len(data.test_labels)):
+    loader, why = choose_loader(accelerator, options.loader, images, data.train_images.shape[-1],
+                                options.loader_budget)
+    if loader != "device" or not (options.val_fraction or len(data.test_labels)):
         return None  # no test split: open_source says so
-    return _on_device(options, device, carve_decoded(data, val_fraction, seed), batch_size, seed,
-                      val_fraction, augment, normalization, why)
+    return _on_device(options, accelerator.device,
+                      carve_decoded(data, options.val_fraction, options.seed), why, train)
 
 
-def _build(options, accelerator, source, image_size, batch_size, seed, val_fraction,
-           augment=None, normalization=None) -> Inputs:
-    """Loaders of ``source``; only the test loader when ``augment`` is None (evaluation)."""
+def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
+    """Loaders of ``source``; only the test loader unless ``train``."""
     native = native_size(source)
-    size = image_size or native or DEFAULT_IMAGE_SIZE
-    device = accelerator.device
+    size = options.image_size or native or DEFAULT_IMAGE_SIZE
     images = len(source.train) + len(source.test)
     loader, why = choose_loader(accelerator, options.loader, images, size, options.loader_budget)
     skip_bad = options.bad_images == "skip"
@@ -200,66 +186,64 @@ def _build(options, accelerator, source, image_size, batch_size, seed, val_fract
         # cache.
         data = load_image_data(options.dataset, options.data_dir, options.cache_dir,
                                options.synthetic_train_size, options.synthetic_test_size,
-                               seed=seed, image_size=None if size == native else size,
-                               val_fraction=val_fraction, skip_bad=skip_bad,
+                               seed=options.seed, image_size=None if size == native else size,
+                               val_fraction=options.val_fraction, skip_bad=skip_bad,
                                interpolation=options.interpolation)
-        return _on_device(options, device, data, batch_size, seed, val_fraction, augment,
-                          normalization, why)
+        return _on_device(options, accelerator.device, data, why, train)
     workers = options.workers
     if workers is None:
         workers = default_workers(local_processes(accelerator))
     # an unreadable image found by a worker: one line, not a traceback
-    report_bad_images(training=augment is not None)
-    # Augmentation happens in the workers, per sample; on the device only the normalisation.
-    if normalization:
-        stats = normalization["mean"], normalization["std"]
-    else:
-        stats = sample_stats(source.train, size, interpolation=options.interpolation)
+    report_bad_images(training=train)
+    # Augmentation happens in the workers, per sample; on the device only the normalisation (and
+    # --random-erase).
+    stats = _normalization(options) or sample_stats(source.train, size,
+                                                    interpolation=options.interpolation)
     transform = BatchTransform(*stats, augment=False, channels_last=options.channels_last,
-                               **_batch_augmentation(options, augment))
-    common = dict(size=size, batch_size=batch_size, workers=workers, seed=seed,
-                  process=accelerator.process_index, pin_memory=device.type == "cuda",
-                  skip_bad=skip_bad, interpolation=options.interpolation)
+                               erase=options.random_erase)
+    common = dict(size=size, batch_size=options.batch_size // options.grad_accum,
+                  workers=workers, seed=options.seed, process=accelerator.process_index,
+                  pin_memory=accelerator.device.type == "cuda", skip_bad=skip_bad,
+                  interpolation=options.interpolation)
     train_loader = None
-    if augment is not None:
-        train_loader = worker_loader(source.train, train=True, augment=augment,
+    if train:
+        train_loader = worker_loader(source.train, train=True, augment=options.augment,
                                      auto_augment=options.auto_augment, **common)
     return Inputs(train_loader, worker_loader(source.test, train=False, **common), transform,
                   source.classes, source.source, len(source.train), len(source.test), size,
-                  loader, why, workers, options.interpolation, _eval_split(val_fraction, seed))
+                  loader, why, workers, options.interpolation, _eval_split(options))
 
 
-def _on_device(options, device, data, batch_size, seed, val_fraction, augment, normalization,
-               why) -> Inputs:
-    """The device path's loaders of decoded ``data``; no training loader when ``augment`` is
-    None."""
-    if normalization:
-        stats = normalization["mean"], normalization["std"]
-    else:
-        stats = channel_stats(data.train_images)
-    transform = BatchTransform(*stats, augment=bool(augment), channels_last=options.channels_last,
-                               interpolation=options.interpolation,
-                               **_batch_augmentation(options, augment))
+def _on_device(options: DataOptions, device, data, why: str, train: bool) -> Inputs:
+    """The device path's loaders of decoded ``data``; the training one only if ``train``."""
+    stats = _normalization(options) or channel_stats(data.train_images)
+    transform = BatchTransform(*stats, augment=options.augment,
+                               channels_last=options.channels_last,
+                               interpolation=options.interpolation, erase=options.random_erase)
     data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
+    batch_size = options.batch_size // options.grad_accum
     train_loader = None
-    if augment is not None:
+    if train:
         train_loader = tensor_loader(data.train_images, data.train_labels, batch_size,
-                                     shuffle=True, seed=seed)
+                                     shuffle=True, seed=options.seed)
     return Inputs(train_loader,
                   tensor_loader(data.test_images, data.test_labels, batch_size, shuffle=False),
                   transform, data.classes, data.source, len(data.train_labels),
                   len(data.test_labels), data.train_images.shape[-1], "device", why, 0,
-                  options.interpolation, _eval_split(val_fraction, seed))
+                  options.interpolation, _eval_split(options))
 
 
-def _batch_augmentation(options: DataOptions, augment: bool | None) -> dict:
-    """What the training batches get on the device on either path (augment None: evaluation,
-    nothing): --random-erase."""
-    return {} if augment is None else {"erase": options.random_erase}
+def _normalization(options: DataOptions) -> tuple | None:
+    """The mean and std pretrained weights were trained with; None: the training images' own."""
+    given = options.normalization
+    return (given["mean"], given["std"]) if given else None
 
 
-def _eval_split(val_fraction, seed) -> dict | None:
-    return {"val_fraction": val_fraction, "seed": seed} if val_fraction else None
+def _eval_split(options: DataOptions) -> dict | None:
+    """--val-fraction and --seed, which evaluation needs to find the same split."""
+    if not options.val_fraction:
+        return None
+    return {"val_fraction": options.val_fraction, "seed": options.seed}
 
 
 def local_processes(accelerator) -> int:

@@ -258,14 +258,12 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     return {"fine_tune": done}
 
 
-def load_pretrained(model: torch.nn.Module, weights: Weights | None, model_name: str,
-                 num_classes: int) -> str | None:
+def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
+                    num_classes: int) -> str:
     """Load ``weights`` into ``model`` (built for ``num_classes``): strictly, except the classifier
     when the file's has another number of classes (or none), which keeps its new random init. The
-    line that says so; None without weights. A file of another model is a UserError naming the
-    tensors that do not fit."""
-    if weights is None:
-        return None
+    line that says so. A file of another model is a UserError naming the tensors that do not
+    fit."""
     flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
     state, own = load_weights(weights.file, flag), model.state_dict()
     if bad := non_finite(state):  # else the first step's NaN loss would be put down to the lr

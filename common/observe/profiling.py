@@ -108,22 +108,11 @@ def per_step_table(averages, steps: int, gpu: bool) -> str:
     """The top ROWS operations of torch.profiler's ``averages`` (key_averages) by self time per
     step on the device that trains: calls and self CPU / GPU time (microseconds) per step, and the
     steps' totals."""
-    def device_time(event) -> float:  # torch >= 2.4 names it self_device_time_total
-        return getattr(event, "self_device_time_total", 0.0) or 0.0
-
     events = [e for e in averages if not e.key.startswith("ProfilerStep")]
-    events.sort(key=device_time if gpu else (lambda e: e.self_cpu_time_total), reverse=True)
-    header = f"{'op':<44} {'calls':>7} {'self CPU us':>12}"
-    header += f" {'self GPU us':>12}" if gpu else ""
-    lines = [header, "-" * len(header)]
-    for event in events[:ROWS]:
-        line = f"{event.key[:44]:<44} {event.count / steps:>7.1f} " \
-               f"{event.self_cpu_time_total / steps:>12.1f}"
-        lines.append(line + (f" {device_time(event) / steps:>12.1f}" if gpu else ""))
-    cpu = sum(e.self_cpu_time_total for e in events) / steps
-    total = f"{'all ops':<44} {sum(e.count for e in events) / steps:>7.1f} {cpu:>12.1f}"
-    lines.append(total + (f" {sum(device_time(e) for e in events) / steps:>12.1f}" if gpu else ""))
-    return "\n".join(lines)
+    events.sort(key=_device_time if gpu else (lambda e: e.self_cpu_time_total), reverse=True)
+    rows = [(e.key, e.count, e.self_cpu_time_total, _device_time(e)) for e in events]
+    total = ("all ops", *(sum(row[i] for row in rows) for i in (1, 2, 3)))
+    return _table("op", 44, "calls", [*rows[:ROWS], total], steps, gpu)
 
 
 def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
@@ -145,16 +134,26 @@ def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
         row[0] += event.name.startswith("aten::") and not (
             event.cpu_parent and event.cpu_parent.name.startswith("aten::"))  # an op, not a part
         row[1] += event.self_cpu_time_total
-        row[2] += getattr(event, "self_device_time_total", 0.0) or 0.0
+        row[2] += _device_time(event)
     if set(rows) <= {None}:
         return None
     order = sorted(rows.items(), key=lambda item: item[1][2 if gpu else 1], reverse=True)
-    header = f"{'called from the loop':<56} {'ops':>6} {'self CPU us':>12}"
+    top = [(caller or "no Python caller", *row) for caller, row in order[:ROWS]]
+    return _table("called from the loop", 56, "ops", top, steps, gpu)
+
+
+def _device_time(event) -> float:  # torch >= 2.4 names it self_device_time_total
+    return getattr(event, "self_device_time_total", 0.0) or 0.0
+
+
+def _table(first: str, width: int, count: str, rows, steps: int, gpu: bool) -> str:
+    """``rows`` of (name, count, self CPU us, self GPU us) over ``steps`` as a table, per step; the
+    GPU column only if ``gpu``."""
+    header = f"{first:<{width}} {count:>7} {'self CPU us':>12}"
     header += f" {'self GPU us':>12}" if gpu else ""
     lines = [header, "-" * len(header)]
-    for caller, (ops, cpu, device) in order[:ROWS]:
-        line = f"{(caller or 'no Python caller')[:56]:<56} {ops / steps:>6.1f} " \
-               f"{cpu / steps:>12.1f}"
+    for name, calls, cpu, device in rows:
+        line = f"{name[:width]:<{width}} {calls / steps:>7.1f} {cpu / steps:>12.1f}"
         lines.append(line + (f" {device / steps:>12.1f}" if gpu else ""))
     return "\n".join(lines)
 

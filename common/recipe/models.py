@@ -100,14 +100,11 @@ def model_names() -> list[str]:
     return [*_CIFAR_STEM, *_BLOCKS_PER_STAGE]
 
 
-def build_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
-    """A randomly initialised, unwrapped module: (B, 3, N, N) images to (B, num_classes) logits.
-    A torchvision model that cannot take ``image_size`` (N; None: not checked) is a UserError
-    naming the size it needs."""
-    if name in _CIFAR_STEM:
-        return _with_cifar_stem(_CIFAR_STEM[name](weights=None, num_classes=num_classes))
-    if name in _BLOCKS_PER_STAGE:
-        return CifarResNet(_BLOCKS_PER_STAGE[name], num_classes)
+def check_model_name(name: str) -> None:
+    """An unknown --model stops now, not after the data is loaded: one line with the closest
+    names, or the ones it takes."""
+    if name in model_names():
+        return
     rule = "NAME is any of torchvision.models.list_models(module=torchvision.models)"
     if name.startswith(TORCHVISION_PREFIX):
         tv_name = name.removeprefix(TORCHVISION_PREFIX)
@@ -119,12 +116,27 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
                     else "e.g. torchvision:resnet50, torchvision:mobilenet_v3_small")
             raise UserError(f"unknown torchvision model {tv_name!r} in --model {name!r} "
                             f"({hint}); {rule}")
-        return _torchvision_model(name, tv_name, num_classes, image_size)
-    if name.startswith(TIMM_PREFIX):
-        return _timm_model(name, name.removeprefix(TIMM_PREFIX), num_classes, image_size)
-    raise UserError(f"unknown model {name!r}: choose one of {', '.join(model_names())}, "
-                    f"torchvision:NAME (e.g. torchvision:resnet50) where {rule}, or timm:NAME "
-                    f"(e.g. timm:resnet50) where NAME is any of timm.list_models()")
+    elif name.startswith(TIMM_PREFIX):
+        check_timm_name(name, name.removeprefix(TIMM_PREFIX))
+    else:
+        raise UserError(f"unknown model {name!r}: choose one of {', '.join(model_names())}, "
+                        f"torchvision:NAME (e.g. torchvision:resnet50) where {rule}, or timm:NAME "
+                        f"(e.g. timm:resnet50) where NAME is any of timm.list_models()")
+
+
+def build_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+    """A randomly initialised, unwrapped module: (B, 3, N, N) images to (B, num_classes) logits.
+    An unknown ``name`` (check_model_name), and a torchvision or timm model that cannot take
+    ``image_size`` (N; None: not checked), is a UserError naming what it takes."""
+    check_model_name(name)
+    if name in _CIFAR_STEM:
+        return _with_cifar_stem(_CIFAR_STEM[name](weights=None, num_classes=num_classes))
+    if name in _BLOCKS_PER_STAGE:
+        return CifarResNet(_BLOCKS_PER_STAGE[name], num_classes)
+    if name.startswith(TORCHVISION_PREFIX):
+        return _torchvision_model(name, name.removeprefix(TORCHVISION_PREFIX), num_classes,
+                                  image_size)
+    return _timm_model(name, name.removeprefix(TIMM_PREFIX), num_classes, image_size)
 
 
 def check_timm_name(name: str, timm_name: str) -> None:
@@ -149,7 +161,6 @@ def check_timm_name(name: str, timm_name: str) -> None:
 def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | None) -> nn.Module:
     import timm  # imported by the runs that use it only: it takes a second
 
-    check_timm_name(name, timm_name)
     model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes)
     if image_size is not None:
         _check_image_size(_shapes_only(model), name, num_classes, image_size)

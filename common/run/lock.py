@@ -142,10 +142,7 @@ class RunLock:
                 break
             os.close(fd)
         previous = _read_holder(self.path)
-        self._hold(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)  # for the other hosts that read it
+        self._hold(fd, me)
         return previous
 
     def _acquire_without_flock(self, me: dict) -> dict | None:
@@ -159,13 +156,13 @@ class RunLock:
                     self._refuse(previous)
                 self.path.unlink(missing_ok=True)
                 continue
-            self._hold(fd)
-            os.write(fd, (json.dumps(me) + "\n").encode())
-            os.fsync(fd)
+            self._hold(fd, me)
             return previous
         self._refuse(_read_holder(self.path) or {})  # another job took it over at the same moment
 
-    def _hold(self, fd: int) -> None:
+    def _hold(self, fd: int, me: dict) -> None:
+        """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in
+        it."""
         if not RunLock._hooked:
             atexit.register(RunLock._release_all)
             # DataLoader workers must not release it
@@ -173,6 +170,9 @@ class RunLock:
             RunLock._hooked = True
         self.fd = fd
         RunLock._held.append(self)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)  # for the other hosts that read it
 
     def _refuse(self, holder: dict) -> NoReturn:
         elsewhere = holder.get("host") not in (None, socket.gethostname())
