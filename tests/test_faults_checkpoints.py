@@ -172,10 +172,10 @@ def test_a_manifest_listing_nothing_is_damaged(base, copy):
     falls back to the one before and ends with the uninterrupted run's weights."""
     newest = copy / "checkpoints" / step(8)
     (newest / "checkpoint.json").write_text('{"step": 8, "files": {}, "crc32": {}}')
-    assert checkpoint_problem(newest) == "checkpoint.json does not list custom_checkpoint_0.pkl"
+    assert checkpoint_problem(newest) == "checkpoint.json does not list model.safetensors"
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
     assert diagnostics(done.stderr) == [
-        f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list custom_checkpoint_0.pkl): "
+        f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list model.safetensors): "
         f"resuming from {copy}/checkpoints/{step(6)}, the newest complete one"]
     assert_same_weights(copy, base)
 

@@ -1,9 +1,11 @@
 """torchvision's CIFAR-10/100 pickles, as the folder or the .tar.gz archive it downloads.
 
-Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode.
+Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode. The pickles
+are read with only numpy's arrays allowed (common.run.data_only.unpickle): a batch file that names
+anything else is refused before it can run code.
 """
 
-import pickle
+import io
 import tarfile
 from pathlib import Path
 
@@ -12,6 +14,12 @@ import torch
 
 from common.data.splits import ImageSource, TensorSplit
 from common.errors import UserError, first_line
+from common.run.data_only import NotData, unpickle
+
+# All a CIFAR batch names besides dicts, lists, strings and numbers: numpy arrays (numpy.core is
+# numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
+ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
 
 def read_cifar_pickles(folder: Path) -> ImageSource:
@@ -45,8 +53,11 @@ def read_cifar_tar(archive: Path) -> ImageSource:
 
 
 def _unpickle(blob: bytes, name: str) -> dict:
-    try:
-        return pickle.loads(blob, encoding="latin1")  # the files were written by Python 2
+    try:  # the files were written by Python 2
+        return unpickle(io.BytesIO(blob), ARRAYS, encoding="latin1")
+    except NotData as e:
+        raise UserError(f"{name} was not read: {e} (CIFAR's batches hold arrays, lists and "
+                        f"strings only); download the CIFAR archive again from its source") from None
     except Exception as e:
         raise UserError(f"cannot unpickle {name} ({first_line(e)}); download the CIFAR archive "
                         f"again") from None

@@ -7,4 +7,5 @@
     checkpoints  when the training state is saved, writing it whole, the newest good one
     record       config.json and metrics.jsonl, and the check that a resume is the same run
     weights      the final weights: model.safetensors, with what evaluation needs
+    data_only    files from outside read as data only: no checkpoint or dataset runs code
 """

@@ -1,0 +1,146 @@
+"""Files from outside read as data only: no checkpoint or dataset a run reads can run code.
+
+A pickle names the functions that build its objects and has them called as it loads
+(``__reduce__``), so a checkpoint or a dataset pickled by someone else would run their code.
+
+- ``save_as_data``: an object's state in every checkpoint as JSON and safetensors, instead of
+  Accelerate's ``register_for_checkpointing``, which pickles it and loads it back with
+  ``torch.load(weights_only=False)`` (accelerate/checkpointing.py, ``load_custom_state``).
+- ``code_in_checkpoint``: what in a checkpoint would run code as it loads. Accelerate reads its
+  other files with ``weights_only=True`` loaders, which refuse by themselves; FSDP2's sharded
+  folders are torch.distributed.checkpoint's, which reads its .metadata with ``pickle.load`` and
+  its values that are not tensors with ``torch.load(weights_only=False)`` (filesystem.py,
+  default_planner.py): both are read here first, with only the types they hold allowed.
+- ``unpickle``: a pickle read with only the named types allowed (CIFAR's batches, DCP's .metadata).
+"""
+
+import functools
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from accelerate.utils import load
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from common.errors import first_line
+from common.run.files import write_json
+
+RUNS_CODE = "could run code"  # in the words of a checkpoint refused for what it holds
+
+_DTYPES = {("torch", str(t).split(".")[1]) for t in vars(torch).values() if isinstance(t, torch.dtype)}
+# What DCP's .metadata holds (torch 2.14: every type a sharded checkpoint of ours names)
+DCP_METADATA = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), *_DTYPES}
+
+
+class NotData(pickle.UnpicklingError):
+    """A pickle that names a type or function it may not hold."""
+
+
+class _Allowed(pickle.Unpickler):
+    def __init__(self, stream, allowed: set[tuple[str, str]], **options):
+        super().__init__(stream, **options)
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.allowed:
+            raise NotData(f"it names {module}.{name}, which is not data")
+        return super().find_class(module, name)
+
+
+def unpickle(stream, allowed: set[tuple[str, str]], **options):
+    """The object pickled in the binary file ``stream`` if the pickle names only ``allowed``
+    (module, name) pairs; NotData for the first other one. Every function a pickle can call and
+    every class it can build is named through find_class: nothing else can run. ``options`` go to
+    pickle.Unpickler (encoding=...)."""
+    return _Allowed(stream, allowed, **options).load()
+
+
+def weights_only_refusal(error: BaseException) -> str | None:
+    """What torch's weights_only loader refused in ``error`` ("it names posix.system, which is not
+    data"), from its message of several lines that advises weights_only=False (which runs the
+    file's code); None when ``error`` is no refusal of a name (a damaged file)."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))
+    if "Weights only load failed" not in str(error) or not named:
+        return None
+    return f"it names {named.group(1)}, which is not data"
+
+
+def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
+    """What in ``checkpoint`` would run code as it loads ("optimizer_0/.metadata could run code:
+    it names posix.system, which is not data"), or a file Accelerate would load without a word
+    when it does not load; None: nothing."""
+    checkpoint = Path(checkpoint)
+    for old in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
+        return f"{old.name} {RUNS_CODE}: a pickle that Accelerate loads with weights_only=False"
+    rng = checkpoint / f"random_states_{process_index}.pkl"
+    try:  # Accelerate loads it in a try whose except only logs: a refusal would go unsaid
+        if rng.exists():
+            load(rng)  # Accelerate's own loader: weights_only=True, numpy's RNG arrays allowed
+    except Exception as error:  # noqa: BLE001 - whatever torch met
+        return _problem(rng.name, error)
+    for metadata in sorted(checkpoint.glob("*/.metadata")):  # DCP: pytorch_model_fsdp_0/ ...
+        name = metadata.relative_to(checkpoint).as_posix()
+        try:
+            with open(metadata, "rb") as f:
+                index = unpickle(f, DCP_METADATA)
+            for key, where in index.storage_data.items():
+                if isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata):
+                    name = f"{metadata.parent.name}/{where.relative_path}"
+                    with open(metadata.parent / where.relative_path, "rb") as f:
+                        f.seek(where.offset)
+                        torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a refusal, or a file that is no DCP's
+            return _problem(name, error)
+    return None
+
+
+def _problem(name: str, error: BaseException) -> str:
+    """``error`` of reading file ``name``, in a few words: code refused, or a file that does not
+    load."""
+    refused = str(error) if isinstance(error, NotData) else weights_only_refusal(error)
+    return f"{name} {RUNS_CODE}: {refused}" if refused else f"{name} does not load ({first_line(error)})"
+
+
+def save_as_data(accelerator, obj, name: str) -> None:
+    """Save ``obj.state_dict()`` in every checkpoint as NAME.json, its tensors (at any depth of
+    its dicts) in NAME.safetensors; ``accelerator.load_state`` gives them back to
+    ``obj.load_state_dict``. state_dict() is called on every process (FSDP2's gathers are
+    collectives), the files are written by the main process and read by every process."""
+    def save(models, weights, folder):
+        tensors = {}
+        state = _without_tensors(obj.state_dict(), tensors, "")
+        if accelerator.is_main_process:
+            write_json(Path(folder) / f"{name}.json", state)
+            if tensors:
+                save_file(tensors, str(Path(folder) / f"{name}.safetensors"))
+
+    def load(models, folder):
+        state = json.loads((Path(folder) / f"{name}.json").read_text())
+        tensors = Path(folder) / f"{name}.safetensors"
+        for key, tensor in (load_file(str(tensors)) if tensors.exists() else {}).items():
+            *path, leaf = key.split("/")
+            functools.reduce(lambda node, part: node.setdefault(part, {}), path, state)[leaf] = tensor
+        obj.load_state_dict(state)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def _without_tensors(state: dict, tensors: dict, prefix: str) -> dict:
+    """``state`` without its tensors, which go into ``tensors`` by their keys' path (a/b)."""
+    kept = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tensors[prefix + key] = value.contiguous()  # safetensors: a channels_last copy too
+        else:
+            kept[key] = _without_tensors(value, tensors, f"{prefix}{key}/") \
+                if isinstance(value, dict) else value
+    return kept
