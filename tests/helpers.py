@@ -301,15 +301,19 @@ class Payload:
 
 def plant(path: Path, marker: Path) -> None:
     """``path`` in a checkpoint made a pickle of Payload(marker) in its own format (torch.save's zip
-    for a file torch writes, or one that is new; a plain pickle otherwise), and checkpoint.json
-    written again to list the folder as it now is: a forgery, which the crc32 digests, kept against
-    damage, cannot see."""
+    for a file torch writes, or one that is new; a plain pickle otherwise), the checkpoint's list
+    written again to match (relist)."""
     path = Path(path)
     if not path.exists() or zipfile.is_zipfile(path):
         torch.save({"state": Payload(marker)}, path)
     else:
         path.write_bytes(pickle.dumps(Payload(marker)))
-    checkpoint = next(p for p in path.parents if (p / "checkpoint.json").exists())
+    relist(next(p for p in path.parents if (p / "checkpoint.json").exists()))
+
+
+def relist(checkpoint: Path) -> None:
+    """checkpoint.json written again for the folder as it now is: a forgery, which the crc32
+    digests, kept against damage, cannot see."""
     files = [p for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != "checkpoint.json"]
     manifest = json.loads((checkpoint / "checkpoint.json").read_text())
     manifest["files"] = {p.relative_to(checkpoint).as_posix(): p.stat().st_size for p in files}

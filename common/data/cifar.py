@@ -56,8 +56,8 @@ def _unpickle(blob: bytes, name: str) -> dict:
     try:  # the files were written by Python 2
         return unpickle(io.BytesIO(blob), ARRAYS, encoding="latin1")
     except NotData as e:
-        raise UserError(f"{name} was not read: {e} (CIFAR's batches hold arrays, lists and "
-                        f"strings only); download the CIFAR archive again from its source") from None
+        raise UserError(f"{name} was not read: {e} (CIFAR's batches hold arrays, lists, "
+                        f"strings); download the CIFAR archive again from its source") from None
     except Exception as e:
         raise UserError(f"cannot unpickle {name} ({first_line(e)}); download the CIFAR archive "
                         f"again") from None

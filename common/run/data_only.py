@@ -31,7 +31,8 @@ from common.run.files import write_json
 
 RUNS_CODE = "could run code"  # in the words of a checkpoint refused for what it holds
 
-_DTYPES = {("torch", str(t).split(".")[1]) for t in vars(torch).values() if isinstance(t, torch.dtype)}
+_DTYPES = {("torch", str(t).split(".")[1]) for t in vars(torch).values()
+           if isinstance(t, torch.dtype)}
 # What DCP's .metadata holds (torch 2.14: every type a sharded checkpoint of ours names)
 DCP_METADATA = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -106,7 +107,9 @@ def _problem(name: str, error: BaseException) -> str:
     """``error`` of reading file ``name``, in a few words: code refused, or a file that does not
     load."""
     refused = str(error) if isinstance(error, NotData) else weights_only_refusal(error)
-    return f"{name} {RUNS_CODE}: {refused}" if refused else f"{name} does not load ({first_line(error)})"
+    if refused:
+        return f"{name} {RUNS_CODE}: {refused}"
+    return f"{name} does not load ({first_line(error)})"
 
 
 def save_as_data(accelerator, obj, name: str) -> None:
@@ -127,7 +130,8 @@ def save_as_data(accelerator, obj, name: str) -> None:
         tensors = Path(folder) / f"{name}.safetensors"
         for key, tensor in (load_file(str(tensors)) if tensors.exists() else {}).items():
             *path, leaf = key.split("/")
-            functools.reduce(lambda node, part: node.setdefault(part, {}), path, state)[leaf] = tensor
+            node = functools.reduce(lambda node, part: node.setdefault(part, {}), path, state)
+            node[leaf] = tensor
         obj.load_state_dict(state)
 
     accelerator.register_save_state_pre_hook(save)
