@@ -1,8 +1,7 @@
 """torchvision's CIFAR-10/100 pickles, as the folder or the .tar.gz archive it downloads.
 
-Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode. The pickles
-are read with only numpy's arrays allowed (common.run.data_only.unpickle): a batch file that names
-anything else is refused before it can run code.
+Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode. A batch that
+names more than numpy's arrays is refused before it can run code (common.run.data_only).
 """
 
 import io
@@ -14,7 +13,7 @@ import torch
 
 from common.data.splits import ImageSource, TensorSplit
 from common.errors import UserError, first_line
-from common.run.data_only import NotData, unpickle
+from common.run.data_only import DataUnpickler, NotData
 
 # All a CIFAR batch names besides dicts, lists, strings and numbers: numpy arrays (numpy.core is
 # numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
@@ -54,7 +53,7 @@ def read_cifar_tar(archive: Path) -> ImageSource:
 
 def _unpickle(blob: bytes, name: str) -> dict:
     try:  # the files were written by Python 2
-        return unpickle(io.BytesIO(blob), ARRAYS, encoding="latin1")
+        return DataUnpickler(io.BytesIO(blob), ARRAYS, encoding="latin1").load()
     except NotData as e:
         raise UserError(f"{name} was not read: {e} (CIFAR's batches hold arrays, lists, "
                         f"strings); download the CIFAR archive again from its source") from None

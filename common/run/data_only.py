@@ -1,17 +1,12 @@
 """Files from outside read as data only: no checkpoint or dataset a run reads can run code.
 
-A pickle names the functions that build its objects and has them called as it loads
-(``__reduce__``), so a checkpoint or a dataset pickled by someone else would run their code.
-
-- ``save_as_data``: an object's state in every checkpoint as JSON and safetensors, instead of
-  Accelerate's ``register_for_checkpointing``, which pickles it and loads it back with
-  ``torch.load(weights_only=False)`` (accelerate/checkpointing.py, ``load_custom_state``).
-- ``code_in_checkpoint``: what in a checkpoint would run code as it loads. Accelerate reads its
-  other files with ``weights_only=True`` loaders, which refuse by themselves; FSDP2's sharded
-  folders are torch.distributed.checkpoint's, which reads its .metadata with ``pickle.load`` and
-  its values that are not tensors with ``torch.load(weights_only=False)`` (filesystem.py,
-  default_planner.py): both are read here first, with only the types they hold allowed.
-- ``unpickle``: a pickle read with only the named types allowed (CIFAR's batches, DCP's .metadata).
+A pickle has the functions it names called as it loads (``__reduce__``): one from elsewhere runs
+its author's code. ``save_as_data`` keeps an object's state as JSON and safetensors, where
+Accelerate's ``register_for_checkpointing`` pickles it and loads it with weights_only=False
+(accelerate/checkpointing.py). ``code_in_checkpoint`` finds what would still run code on --resume:
+FSDP2's DCP folders, read by torch with ``pickle.load`` (.metadata) and weights_only=False (values
+not tensors), are read here first with only their types allowed (``DataUnpickler``, which CIFAR's
+batches use too); Accelerate reads its other files with weights_only=True loaders, which refuse.
 """
 
 import functools
@@ -45,7 +40,11 @@ class NotData(pickle.UnpicklingError):
     """A pickle that names a type or function it may not hold."""
 
 
-class _Allowed(pickle.Unpickler):
+class DataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler that builds only the ``allowed`` (module, name) pairs and raises NotData
+    for any other: every function a pickle can call and every class it can build is looked up
+    through find_class, so nothing else can run. ``options`` go to pickle.Unpickler."""
+
     def __init__(self, stream, allowed: set[tuple[str, str]], **options):
         super().__init__(stream, **options)
         self.allowed = allowed
@@ -54,14 +53,6 @@ class _Allowed(pickle.Unpickler):
         if (module, name) not in self.allowed:
             raise NotData(f"it names {module}.{name}, which is not data")
         return super().find_class(module, name)
-
-
-def unpickle(stream, allowed: set[tuple[str, str]], **options):
-    """The object pickled in the binary file ``stream`` if the pickle names only ``allowed``
-    (module, name) pairs; NotData for the first other one. Every function a pickle can call and
-    every class it can build is named through find_class: nothing else can run. ``options`` go to
-    pickle.Unpickler (encoding=...)."""
-    return _Allowed(stream, allowed, **options).load()
 
 
 def weights_only_refusal(error: BaseException) -> str | None:
@@ -87,11 +78,13 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
             load(rng)  # Accelerate's own loader: weights_only=True, numpy's RNG arrays allowed
     except Exception as error:  # noqa: BLE001 - whatever torch met
         return _problem(rng.name, error)
-    for metadata in sorted(checkpoint.glob("*/.metadata")):  # DCP: pytorch_model_fsdp_0/ ...
+    # DCP's folders (pytorch_model_fsdp_0/ ...): torch then reads the bytes checked here, whose
+    # pickles can build nothing but the types allowed
+    for metadata in sorted(checkpoint.glob("*/.metadata")):
         name = metadata.relative_to(checkpoint).as_posix()
         try:
             with open(metadata, "rb") as f:
-                index = unpickle(f, DCP_METADATA)
+                index = DataUnpickler(f, DCP_METADATA).load()
             for key, where in index.storage_data.items():
                 if isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata):
                     name = f"{metadata.parent.name}/{where.relative_path}"
@@ -104,8 +97,7 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
 
 
 def _problem(name: str, error: BaseException) -> str:
-    """``error`` of reading file ``name``, in a few words: code refused, or a file that does not
-    load."""
+    """``error`` of reading file ``name`` in a few words: code refused, or a file not loading."""
     refused = str(error) if isinstance(error, NotData) else weights_only_refusal(error)
     if refused:
         return f"{name} {RUNS_CODE}: {refused}"
@@ -123,15 +115,14 @@ def save_as_data(accelerator, obj, name: str) -> None:
         if accelerator.is_main_process:
             write_json(Path(folder) / f"{name}.json", state)
             if tensors:
-                save_file(tensors, str(Path(folder) / f"{name}.safetensors"))
+                save_file(tensors, Path(folder) / f"{name}.safetensors")
 
     def load(models, folder):
         state = json.loads((Path(folder) / f"{name}.json").read_text())
         tensors = Path(folder) / f"{name}.safetensors"
-        for key, tensor in (load_file(str(tensors)) if tensors.exists() else {}).items():
-            *path, leaf = key.split("/")
-            node = functools.reduce(lambda node, part: node.setdefault(part, {}), path, state)
-            node[leaf] = tensor
+        for key, tensor in (load_file(tensors) if tensors.exists() else {}).items():
+            *path, leaf = key.split("/")  # the dicts on its path are in the JSON
+            functools.reduce(dict.__getitem__, path, state)[leaf] = tensor
         obj.load_state_dict(state)
 
     accelerator.register_save_state_pre_hook(save)
