@@ -408,8 +408,8 @@ def test_a_cifar_batch_carrying_code_is_refused_and_runs_nothing(form, formats, 
         named = f"{named}:data_batch_1"
     message = error_of(data_dir=str(folder if form == "cifar10_pickles" else tmp_path / "cifar-10-python.tar.gz"),
                        cache_dir=str(tmp_path / "cache"))
-    assert message == (f"{named} was not read: it names posix.system, which is not data (CIFAR's batches hold "
-                       f"arrays, lists, strings); download the CIFAR archive again from its source")
+    assert message == (f"cannot unpickle {named} (it names posix.system, which is not data); download the "
+                       f"CIFAR archive again")
     assert not marker.exists()
 
 

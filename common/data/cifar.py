@@ -54,12 +54,10 @@ def read_cifar_tar(archive: Path) -> ImageSource:
 def _unpickle(blob: bytes, name: str) -> dict:
     try:  # the files were written by Python 2
         return DataUnpickler(io.BytesIO(blob), ARRAYS, encoding="latin1").load()
-    except NotData as e:
-        raise UserError(f"{name} was not read: {e} (CIFAR's batches hold arrays, lists, "
-                        f"strings); download the CIFAR archive again from its source") from None
-    except Exception as e:
-        raise UserError(f"cannot unpickle {name} ({first_line(e)}); download the CIFAR archive "
-                        f"again") from None
+    except Exception as e:  # NotData: "it names posix.system, which is not data"
+        why = str(e) if isinstance(e, NotData) else first_line(e)
+        raise UserError(f"cannot unpickle {name} ({why}); download the CIFAR archive again"
+                        ) from None
 
 
 def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageSource:

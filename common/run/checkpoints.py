@@ -24,9 +24,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.errors import first_line
 from common.parallel.failures import agree, fail_alone, fail_together, from_main, why_not_written
-from common.run.data_only import RUNS_CODE, code_in_checkpoint, save_as_data, weights_only_refusal
+from common.run.data_only import RUNS_CODE, code_in_checkpoint, file_problem, save_as_data
 from common.run.files import fsync_dir, fsync_tree, write_json
 from common.run.record import check_resume_config, unwritten_metrics
 
@@ -242,10 +241,7 @@ def _load_problem(accelerator, checkpoint: Path) -> str | None:
     except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met
         if "different number of parameter groups" in str(error):  # Optimizer.load_state_dict
             return OTHER_GROUPS
-        name = _file_in_traceback(error, Path(checkpoint))
-        if refused := weights_only_refusal(error):
-            return f"{name or 'a file'} {RUNS_CODE}: {refused}"
-        return f"{name + ' ' if name else ''}does not load ({first_line(error)})"
+        return file_problem(_file_in_traceback(error, Path(checkpoint)), error)
     return None
 
 

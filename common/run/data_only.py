@@ -55,16 +55,6 @@ class DataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def weights_only_refusal(error: BaseException) -> str | None:
-    """What torch's weights_only loader refused in ``error`` ("it names posix.system, which is not
-    data"), from its message of several lines that advises weights_only=False (which runs the
-    file's code); None when ``error`` is no refusal of a name (a damaged file)."""
-    named = re.search(r"GLOBAL ([\w.]+)", str(error))
-    if "Weights only load failed" not in str(error) or not named:
-        return None
-    return f"it names {named.group(1)}, which is not data"
-
-
 def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
     """What in ``checkpoint`` would run code as it loads ("optimizer_0/.metadata could run code:
     it names posix.system, which is not data"), or a file Accelerate would load without a word
@@ -77,7 +67,7 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
         if rng.exists():
             load(rng)  # Accelerate's own loader: weights_only=True, numpy's RNG arrays allowed
     except Exception as error:  # noqa: BLE001 - whatever torch met
-        return _problem(rng.name, error)
+        return file_problem(rng.name, error)
     # DCP's folders (pytorch_model_fsdp_0/ ...): torch then reads the bytes checked here, whose
     # pickles can build nothing but the types allowed
     for metadata in sorted(checkpoint.glob("*/.metadata")):
@@ -92,16 +82,20 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
                         f.seek(where.offset)
                         torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
         except Exception as error:  # noqa: BLE001 - a refusal, or a file that is no DCP's
-            return _problem(name, error)
+            return file_problem(name, error)
     return None
 
 
-def _problem(name: str, error: BaseException) -> str:
-    """``error`` of reading file ``name`` in a few words: code refused, or a file not loading."""
-    refused = str(error) if isinstance(error, NotData) else weights_only_refusal(error)
-    if refused:
-        return f"{name} {RUNS_CODE}: {refused}"
-    return f"{name} does not load ({first_line(error)})"
+def file_problem(name: str | None, error: BaseException) -> str:
+    """``error`` met reading the file ``name`` (None: unknown), in a few words: what it names that
+    could run code (NotData's, or torch's weights_only refusal of several lines, which advises
+    weights_only=False: that would run it), or that it does not load."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))
+    if named and "Weights only load failed" in str(error):
+        error = NotData(f"it names {named[1]}, which is not data")
+    if isinstance(error, NotData):
+        return f"{name or 'a file'} {RUNS_CODE}: {error}"
+    return f"{name + ' ' if name else ''}does not load ({first_line(error)})"
 
 
 def save_as_data(accelerator, obj, name: str) -> None:
