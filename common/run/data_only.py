@@ -60,8 +60,8 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
     it names posix.system, which is not data"), or a file Accelerate would load without a word
     when it does not load; None: nothing."""
     checkpoint = Path(checkpoint)
-    for old in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
-        return f"{old.name} {RUNS_CODE}: a pickle that Accelerate loads with weights_only=False"
+    if old := sorted(checkpoint.glob("custom_checkpoint_*.pkl")):  # an earlier version's
+        return f"{old[0].name} {RUNS_CODE}: a pickle that Accelerate loads with weights_only=False"
     rng = checkpoint / f"random_states_{process_index}.pkl"
     try:  # Accelerate loads it in a try whose except only logs: a refusal would go unsaid
         if rng.exists():
