@@ -312,7 +312,10 @@ class OneProcess:
     def unwrap_model(self, model):
         return model
 
-    def register_for_checkpointing(self, *objects):
+    def register_save_state_pre_hook(self, hook):
+        pass
+
+    def register_load_state_pre_hook(self, hook):
         pass
 
 

@@ -17,6 +17,7 @@ training script imports from every folder.
                 compilation, weight averaging, evaluation
     failures    the ground floor, what the folders share: a failure on one process stops all of
                 them (agreed, said once, no hang)
+    data_only   files from outside read as data only: no checkpoint or dataset runs code
     files       atomic files and folders; the paths flags name, checked before anything is written
     units       GB, as the reports give memory
     errors      UserError: bad input said in one line, with what to do, and no traceback

@@ -169,8 +169,7 @@ def main(args):
     if devices:  # DP: gathers on devices[0]; on a CPU (or --cpu) there is nothing to split
         parallel_model = torch.nn.DataParallel(parallel_model, device_ids=devices)
 
-    progress = TrainProgress()  # the run's place and record, saved in every checkpoint
-    accelerator.register_for_checkpointing(progress)
+    progress = TrainProgress(accelerator)  # the run's place and record, saved in every checkpoint
     ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
         **launch_record(accelerator),  # the processes, their devices, the backend

@@ -162,8 +162,7 @@ def main(args):
     model, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(  # ALL
         model, optimizer, train_loader, test_loader, scheduler)
 
-    progress = TrainProgress()  # the run's place and record, saved in every checkpoint
-    accelerator.register_for_checkpointing(progress)
+    progress = TrainProgress(accelerator)  # the run's place and record, saved in every checkpoint
     ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
     config = run_config(vars(args), {
         **launch_record(accelerator),  # the processes, their devices, the backend

@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import select
 import signal
@@ -14,6 +15,8 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -284,6 +287,39 @@ def tmpfs(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class Payload:
+    """What a crafted pickle holds: an object whose ``__reduce__`` has the loader run a command, here
+    one that creates ``marker``. A loader that runs it leaves the marker; one that refuses, none."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(path: Path, marker: Path) -> None:
+    """``path`` in a checkpoint made a pickle of Payload(marker) in its own format (torch.save's zip
+    for a file torch writes, or one that is new; a plain pickle otherwise), the checkpoint's list
+    written again to match (relist)."""
+    path = Path(path)
+    if not path.exists() or zipfile.is_zipfile(path):
+        torch.save({"state": Payload(marker)}, path)
+    else:
+        path.write_bytes(pickle.dumps(Payload(marker)))
+    relist(next(p for p in path.parents if (p / "checkpoint.json").exists()))
+
+
+def relist(checkpoint: Path) -> None:
+    """checkpoint.json written again for the folder as it now is: a forgery, which the crc32
+    digests, kept against damage, cannot see."""
+    files = [p for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != "checkpoint.json"]
+    manifest = json.loads((checkpoint / "checkpoint.json").read_text())
+    manifest["files"] = {p.relative_to(checkpoint).as_posix(): p.stat().st_size for p in files}
+    manifest["crc32"] = {p.relative_to(checkpoint).as_posix(): f"{zlib.crc32(p.read_bytes()):08x}" for p in files}
+    (checkpoint / "checkpoint.json").write_text(json.dumps(manifest))
 
 
 def tree_digest(folder: Path) -> dict:

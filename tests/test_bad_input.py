@@ -355,7 +355,7 @@ def test_no_disk_space_for_a_checkpoint(tmp_path):
         model = torch.nn.Linear(300, 300)  # 360 kB of weights, as much momentum
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, optimizer = accelerator.prepare(model, optimizer)
-        accelerator.register_for_checkpointing(TrainProgress())
+        TrainProgress(accelerator)  # progress.json in every checkpoint
         model(torch.ones(2, 300)).sum().backward()
         optimizer.step()
         previous = save_checkpoint(accelerator, disk, step=4, keep=2)

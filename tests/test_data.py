@@ -10,6 +10,7 @@ in every format the loader reads, the way the real tools write them.
 
 import io
 import os
+import pickle
 import random
 import re
 import shutil
@@ -24,7 +25,7 @@ import PIL.Image
 import pyarrow.parquet
 import pytest
 import torch
-from helpers import tmpfs
+from helpers import Payload, tmpfs
 from torchvision.transforms import v2
 
 from bench.tools import write_cifar_pickles
@@ -388,6 +389,28 @@ def test_bad_cifar_batch_is_named(damage, formats, tmp_path):
     else:
         (folder / "data_batch_3").write_bytes(b"\x80\x02garbage")
     assert str(folder / "data_batch_3") in error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("form", ["cifar10_pickles", "cifar10_tar_file"])
+def test_a_cifar_batch_carrying_code_is_refused_and_runs_nothing(form, formats, tmp_path):
+    """data_batch_1 a batch whose images are an object with a __reduce__ that would create a marker
+    file, in the folder and in the .tar.gz: refused in one line naming the file, before anything of
+    it runs (pickle.loads would run it, and the run would then train on the other batches)."""
+    marker, batch = tmp_path / "marker", pickle.dumps({"data": Payload(tmp_path / "marker"),
+                                                       "labels": [0]}, protocol=2)
+    folder = copy_of(formats["cifar10_pickles"], tmp_path)
+    (folder / "data_batch_1").write_bytes(batch)
+    named = folder / "data_batch_1"
+    if form == "cifar10_tar_file":
+        named = tmp_path / "cifar-10-python.tar.gz"
+        with tarfile.open(named, "w:gz") as tar:
+            tar.add(folder, arcname="cifar-10-batches-py")
+        named = f"{named}:data_batch_1"
+    message = error_of(data_dir=str(folder if form == "cifar10_pickles" else tmp_path / "cifar-10-python.tar.gz"),
+                       cache_dir=str(tmp_path / "cache"))
+    assert message == (f"cannot unpickle {named} (it names posix.system, which is not data); download the "
+                       f"CIFAR archive again")
+    assert not marker.exists()
 
 
 def test_data_dir_and_dataset_errors(tmp_path):

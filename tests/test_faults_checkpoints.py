@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import (ROOT, Forked, assert_same_weights, run, tmpfs, tree_digest, two_processes, user_env, weights,
-                     worker_lines)
+from helpers import (ROOT, Forked, Processes, assert_same_weights, bad_ends, plant, run, tmpfs, tree_digest,
+                     two_processes, user_env, weights, worker_lines)
 from safetensors.torch import load_file, save_file
 
 from common.run.checkpoints import checkpoint_problem, save_checkpoint
@@ -172,12 +172,58 @@ def test_a_manifest_listing_nothing_is_damaged(base, copy):
     falls back to the one before and ends with the uninterrupted run's weights."""
     newest = copy / "checkpoints" / step(8)
     (newest / "checkpoint.json").write_text('{"step": 8, "files": {}, "crc32": {}}')
-    assert checkpoint_problem(newest) == "checkpoint.json does not list custom_checkpoint_0.pkl"
+    assert checkpoint_problem(newest) == "checkpoint.json does not list model.safetensors"
     done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", cwd=copy.parent)
     assert diagnostics(done.stderr) == [
-        f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list custom_checkpoint_0.pkl): "
+        f"warning: damaged checkpoint skipped ({step(8)}: checkpoint.json does not list model.safetensors): "
         f"resuming from {copy}/checkpoints/{step(6)}, the newest complete one"]
     assert_same_weights(copy, base)
+
+
+# ------------------------------------------------------------------------------ files carrying code
+
+REFUSED = ("could run code: {why}; these scripts write checkpoints of data only: resume one of theirs, or start a "
+           "new run (one of an earlier version, with custom_checkpoint_N.pkl: continue it with that version, if you "
+           "trust where it came from)")
+
+
+def test_a_checkpoint_from_elsewhere_runs_no_code_on_resume(copy, tmp_path):
+    """A run folder someone else wrote: its newest checkpoint holds custom_checkpoint_0.pkl with a
+    __reduce__ payload, as Accelerate's register_for_checkpointing writes it, listed in
+    checkpoint.json. Accelerate would load it with weights_only=False and the run would train on
+    and finish with exit 0; it is refused in one line, the payload never runs, nothing changes.
+    The checkpoints hold the run's progress as JSON: nothing a resume reads is a pickle of ours."""
+    newest = copy / "checkpoints" / step(8)
+    assert {p.name for p in newest.iterdir()} == {"model.safetensors", "optimizer.bin", "scheduler.bin",
+                                                  "random_states_0.pkl", "progress.json", "checkpoint.json"}
+    plant(newest / "custom_checkpoint_0.pkl", tmp_path / "marker")
+    before = tree_digest(copy)
+    done = run("train_single.py", *FLAGS, "--output-dir", copy, "--resume", check=False, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    why = "a pickle that Accelerate loads with weights_only=False"
+    assert diagnostics(done.stderr) == [f"error: --resume: {newest} was not loaded: custom_checkpoint_0.pkl "
+                                        + REFUSED.format(why=why)]
+    assert not (tmp_path / "marker").exists()
+    assert tree_digest(copy) == before
+
+
+def test_a_payload_read_by_one_process_of_two_is_refused_by_both(ddp_base, tmp_path):
+    """2-process DDP: random_states_1.pkl, which process 1 alone reads (and whose failure to load
+    Accelerate only logs), a payload: one line from the main process, both exit 1, nothing ran and
+    nothing of the run folder changed."""
+    out = tmp_path / "run"
+    shutil.copytree(ddp_base, out)
+    newest = out / "checkpoints" / step(8)
+    plant(newest / "random_states_1.pkl", tmp_path / "marker")
+    before = tree_digest(out)
+    job = Processes("train_ddp.py", *FLAGS, "--output-dir", out, "--resume", cwd=tmp_path)
+    assert job.wait() == [1, 1], job.output()
+    assert bad_ends(job.output()) == [], job.output()
+    why = "it names posix.system, which is not data"
+    assert diagnostics(job.stderr(0) + job.stderr(1)) == [
+        f"error: --resume: {newest} was not loaded: random_states_1.pkl " + REFUSED.format(why=why)]
+    assert not (tmp_path / "marker").exists()
+    assert tree_digest(out) == before
 
 
 # ------------------------------------------------------------------------------ a run's record

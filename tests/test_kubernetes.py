@@ -374,7 +374,7 @@ def taken(tmp_path, monkeypatch):
     out = tmp_path / "run"
     accelerator = Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(4, 2))
-    accelerator.register_for_checkpointing(TrainProgress())
+    TrainProgress(accelerator)  # progress.json in every checkpoint
     save_checkpoint(accelerator, out, 4, keep=2)
     (out / "config.json").write_text("{}")
     (out / JOB_FILE).write_text("job first\n")

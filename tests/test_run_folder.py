@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import ROOT, run, tree_digest
+from helpers import ROOT, plant, run, tree_digest
 
 from common.errors import UserError
 from common.run.checkpoints import (
@@ -30,6 +30,7 @@ from common.run.checkpoints import (
 )
 from common.run.folder import lock_run_and_find_resume
 from common.run.lock import JOB_FILE, LOCK_FILE, RunLock, lock_run_folder
+from common.recipe.ema import WeightAverage
 
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--model", "resnet20", "--batch-size", "64", "--epochs", "1", "--report-to", "none"]
@@ -60,7 +61,7 @@ def tiny_accelerator():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    accelerator.register_for_checkpointing(TrainProgress())
+    accelerator.progress = TrainProgress(accelerator)  # progress.json in every checkpoint
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()  # momentum buffers: an optimizer state with tensors
     return accelerator
@@ -97,7 +98,7 @@ def test_a_checkpoint_lists_its_files_last(saved):
     assert manifest["files"] == {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name != "checkpoint.json"}
     assert manifest["crc32"] == {name: file_crc32(checkpoint / name) for name in manifest["files"]}
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
-                                      "custom_checkpoint_0.pkl"}
+                                      "progress.json"}
     assert checkpoint_problem(checkpoint) is None
     assert latest_good_checkpoint(saved) == (checkpoint, {})
 
@@ -217,14 +218,49 @@ def test_a_checkpoint_that_passes_the_checks_but_does_not_load_gets_one_line(tmp
     checkpoint = tmp_path / "checkpoints" / "step_00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / "pytorch_model.bin").write_bytes(b"not a state dict")
+    accelerator = tiny_accelerator()
+    (checkpoint / "progress.json").write_text(json.dumps(accelerator.progress.state_dict()))
+    files = ("pytorch_model.bin", "progress.json")
     (checkpoint / "checkpoint.json").write_text(json.dumps(
-        {"files": {"pytorch_model.bin": 16}, "crc32": {"pytorch_model.bin": file_crc32(checkpoint / "pytorch_model.bin")}}))
+        {"files": {name: (checkpoint / name).stat().st_size for name in files},
+         "crc32": {name: file_crc32(checkpoint / name) for name in files}}))
     (tmp_path / "config.json").write_text('{"args": {}}')
     assert checkpoint_problem(checkpoint) is None
     with pytest.raises(UserError) as error:
-        resume_from(tiny_accelerator(), checkpoint, TrainProgress(), {"args": {}}, set())
+        resume_from(accelerator, checkpoint, accelerator.progress, {"args": {}}, set())
     assert error.value.message.startswith(f"--resume: {checkpoint} is damaged (pytorch_model.bin does not load (")
     assert error.value.message.endswith(") and no complete checkpoint comes before it")
+
+
+# Every file a one-process --resume reads, and the pickle an earlier version wrote (planted)
+READ_ON_RESUME = ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "progress.json",
+                  "weight_average.json", "weight_average.safetensors", "custom_checkpoint_0.pkl"]
+
+
+@pytest.mark.parametrize("name", READ_ON_RESUME)
+def test_a_payload_in_any_file_of_a_checkpoint_runs_nothing(tmp_path, name):
+    """A checkpoint from elsewhere: one of its files made a pickle whose __reduce__ creates a marker
+    file, and checkpoint.json written again to match. A pickle --resume would load is refused in one
+    line naming the file (torch's weights_only loader refuses the name; custom_checkpoint_0.pkl is
+    not read at all); a file parsed as JSON or safetensors does not parse, and the checkpoint is
+    damaged. Either way the marker is never made and nothing of the run folder changes."""
+    accelerator = tiny_accelerator()
+    WeightAverage(accelerator, accelerator._models[0], 0.9)  # weight_average.* in the checkpoint
+    checkpoint = save_checkpoint(accelerator, tmp_path / "run", 4, keep=2)
+    config = {"args": {"resume": str(checkpoint)}}  # named: no older checkpoint to fall back to
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    plant(checkpoint / name, tmp_path / "marker")
+    before = tree_digest(tmp_path / "run")
+    with pytest.raises(UserError) as error:
+        resume_from(accelerator, checkpoint, accelerator.progress, config, set())
+    assert not (tmp_path / "marker").exists()
+    assert tree_digest(tmp_path / "run") == before
+    message = error.value.message
+    assert "\n" not in message
+    if name.endswith((".bin", ".pkl")):
+        assert message.startswith(f"--resume: {checkpoint} was not loaded: {name} could run code: "), message
+    else:
+        assert message.startswith(f"--resume: {checkpoint} is damaged ({name} does not load ("), message
 
 
 def test_saving_keeps_the_newest_up_to_this_step(out):

@@ -7,20 +7,26 @@ gathered state dict are then Accelerate's and torch's FSDP2 code. One FSDP2 run 
 the same flags, both with a weight average (--ema-decay), serve every test.
 """
 
+import dataclasses
+import io
 import json
+import pickle
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, assert_same_weights, run, two_processes, weights
+from helpers import (ROOT, Payload, Processes, assert_same_weights, bad_ends, plant, relist, run, tree_digest,
+                     two_processes, weights)
 from probe_counts import per_class, predictions, printed_per_class
 
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.run.checkpoints import MANIFEST, checkpoint_problem
+from common.data_only import code_in_checkpoint
 from common.data.synthetic import make_synthetic
 
 BIN = Path(sys.executable).parent
@@ -125,7 +131,7 @@ def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # torch.distributed.checkpoint: a file per process
         assert {f"{folder}/.metadata", f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"} <= set(listed)
     # The weight average is saved whole (its slices gathered) by the main process, as DDP's.
-    average = torch.load(step2 / "custom_checkpoint_1.pkl", weights_only=False)["average"]
+    average = {k.removeprefix("average/"): v for k, v in load_file(step2 / "weight_average.safetensors").items()}
     full = weights(runs["ddp"][0])
     assert {k: v.shape for k, v in average.items()} == {k: v.shape for k, v in full.items() if v.is_floating_point()}
     for later in ("step_00000004", "step_00000006"):
@@ -140,6 +146,69 @@ def test_sharded_checkpoints_resume_bit_for_bit(runs, tmp_path):
     data[len(data) // 2] ^= 0xFF
     metadata.write_bytes(bytes(data))
     assert checkpoint_problem(step2).startswith("optimizer_0/.metadata is damaged")
+
+
+def forge_a_value(checkpoint: Path, marker: Path) -> str:
+    """One value of optimizer_0/ that is not a tensor (a param group's lr), which DCP reads with
+    torch.load(weights_only=False), made a pickle of Payload(marker): appended to its .distcp file,
+    the .metadata pointed at it, the list written again. The file's name in the checkpoint."""
+    folder = checkpoint / "optimizer_0"
+    index = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(k for k in index.storage_data if k.fqn.endswith("param_groups.0.lr"))
+    blob = io.BytesIO()
+    torch.save(Payload(marker), blob)
+    shard = folder / index.storage_data[key].relative_path
+    index.storage_data[key] = dataclasses.replace(index.storage_data[key], offset=shard.stat().st_size,
+                                                  length=len(blob.getvalue()))
+    with open(shard, "ab") as f:
+        f.write(blob.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    relist(checkpoint)
+    return f"optimizer_0/{shard.name}"
+
+
+@pytest.mark.parametrize("name", ["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "optimizer_0/*.distcp",
+                                  "random_states_1.pkl", "progress.json"])
+def test_every_file_of_a_sharded_checkpoint_is_read_as_data(runs, tmp_path, name):
+    """A payload that would create a marker file, in each kind of file a sharded resume reads (a DCP
+    value: a param group's lr; random_states_1.pkl, read by process 1 only, whose failure Accelerate
+    only logs): named before any of it is loaded, the marker never made. In-process: what each
+    process of the launched test below checks."""
+    checkpoint = tmp_path / "step"
+    shutil.copytree(runs["fsdp"][0] / "checkpoints" / "step_00000006", checkpoint)
+    assert code_in_checkpoint(checkpoint, 1) is None
+    if name.endswith(".distcp"):
+        name = forge_a_value(checkpoint, tmp_path / "marker")
+    else:
+        plant(checkpoint / name, tmp_path / "marker")
+    found = code_in_checkpoint(checkpoint, 1)
+    assert not (tmp_path / "marker").exists()
+    if name == "progress.json":  # JSON, parsed when Accelerate loads the checkpoint
+        assert found is None
+    else:
+        assert found == f"{name} could run code: it names posix.system, which is not data"
+
+
+def test_a_sharded_checkpoint_carrying_code_is_refused_in_one_line(runs, tmp_path):
+    """FSDP2's sharded resume on 2 processes, pytorch_model_fsdp_0/.metadata (which DCP reads with
+    pickle.load) a payload: one line from the main process, both exit 1, nothing ran, nothing of
+    the run folder changed."""
+    out = tmp_path / "run"
+    shutil.copytree(runs["fsdp"][0], out)
+    newest = out / "checkpoints" / "step_00000006"
+    plant(newest / "pytorch_model_fsdp_0" / ".metadata", tmp_path / "marker")
+    before = tree_digest(out)
+    job = Processes(PROBE, ROOT / "scripts" / "train_fsdp.py", *FLAGS, "--output-dir", out, "--resume",
+                    cwd=tmp_path)
+    assert job.wait() == [1, 1], job.output()
+    assert bad_ends(job.output()) == [], job.output()
+    errors = [line for line in (job.stderr(0) + job.stderr(1)).splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --resume: {newest} was not loaded: pytorch_model_fsdp_0/.metadata could run code: "
+                      f"it names posix.system, which is not data; these scripts write checkpoints of data only: "
+                      f"resume one of theirs, or start a new run (one of an earlier version, with "
+                      f"custom_checkpoint_N.pkl: continue it with that version, if you trust where it came from)"]
+    assert not (tmp_path / "marker").exists()
+    assert tree_digest(out) == before
 
 
 def test_evaluate_gives_the_logged_accuracy(runs, tmp_path):

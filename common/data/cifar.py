@@ -1,9 +1,10 @@
 """torchvision's CIFAR-10/100 pickles, as the folder or the .tar.gz archive it downloads.
 
-Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode.
+Read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit): no image to decode. A batch that
+names more than numpy's arrays is refused before it can run code (common.data_only).
 """
 
-import pickle
+import io
 import tarfile
 from pathlib import Path
 
@@ -12,6 +13,12 @@ import torch
 
 from common.data.splits import ImageSource, TensorSplit
 from common.errors import UserError, first_line
+from common.data_only import DataUnpickler, NotData
+
+# All a CIFAR batch names besides dicts, lists, strings and numbers: numpy arrays (numpy.core is
+# numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
+ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
 
 def read_cifar_pickles(folder: Path) -> ImageSource:
@@ -45,11 +52,12 @@ def read_cifar_tar(archive: Path) -> ImageSource:
 
 
 def _unpickle(blob: bytes, name: str) -> dict:
-    try:
-        return pickle.loads(blob, encoding="latin1")  # the files were written by Python 2
-    except Exception as e:
-        raise UserError(f"cannot unpickle {name} ({first_line(e)}); download the CIFAR archive "
-                        f"again") from None
+    try:  # the files were written by Python 2
+        return DataUnpickler(io.BytesIO(blob), ARRAYS, encoding="latin1").load()
+    except Exception as e:  # NotData: "it names posix.system, which is not data"
+        why = str(e) if isinstance(e, NotData) else first_line(e)
+        raise UserError(f"cannot unpickle {name} ({why}); download the CIFAR archive again"
+                        ) from None
 
 
 def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageSource:

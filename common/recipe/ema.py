@@ -15,13 +15,13 @@ per-parameter Python loop, no host-device synchronisation.
 Under DDP the parameters are the same on every process but each process's BatchNorm statistics
 follow its own slice of the batch: the averaged buffers are averaged over the processes after
 every update (one small all-reduce), so every process holds the same average, evaluates with it,
-and resumes from the copy the main process saves (Accelerate saves registered objects from the
-main process only) bit for bit.
+and resumes from the copy the main process saves (save_as_data writes the main process's) bit for
+bit.
 
 Under FSDP2 each parameter is a DTensor of which a process holds one slice, and deepcopy or
 torch.optim.swa_utils.AveragedModel refuse the sharded module: the average is kept of the local
 slices, so it is sharded like the weights and costs 1/N of them. A checkpoint holds it whole:
-state_dict() gathers each averaged slice into the full tensor (Accelerate calls it on every
+state_dict() gathers each averaged slice into the full tensor (save_as_data calls it on every
 process, and writes the main process's), and load_state_dict() cuts the full tensor back into
 this process's slice.
 """
@@ -31,13 +31,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.recipe.evaluation import evaluate
+from common.data_only import save_as_data
 
 WARMUP_POWER = 0.75  # timm ModelEmaV3's warm-up, with gamma 1
 
 
 class WeightAverage:
     """The average of ``model``'s floating-point parameters and buffers (``decay`` None or 0: off,
-    and every method does nothing). Registered for checkpointing when on."""
+    and every method does nothing). In every checkpoint when on: weight_average.safetensors."""
 
     def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
         self.accelerator, self.decay, self.updates = accelerator, decay or 0.0, 0
@@ -55,7 +56,7 @@ class WeightAverage:
                 self.average.append(local.detach().clone())
                 self.buffers.append(not isinstance(tensor, torch.nn.Parameter))
                 self.sharded.append(sharded)
-        accelerator.register_for_checkpointing(self)
+        save_as_data(accelerator, self, "weight_average")
 
     def __bool__(self) -> bool:
         return bool(self.decay)

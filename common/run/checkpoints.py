@@ -5,8 +5,10 @@ temporary name and renamed into place once every file is on the disk, so a proce
 saving leaves the previous checkpoint intact. Each ends with checkpoint.json, the list of its files
 with their sizes and crc32 digests, which --resume checks before it trusts one (a copy that lost a
 file, a disk that filled, bytes damaged since). A checkpoint that passes the check but does not
-load is skipped for the one before it, on every process alike. ``Checkpointer`` decides the
-cadence: the training loop calls its ``save`` after every step.
+load is skipped for the one before it, on every process alike; one with a file that would run
+code as it loads is refused (common.run.data_only: checkpoints hold data only, so a run folder
+from elsewhere is safe to resume). ``Checkpointer`` decides the cadence: the training loop calls
+its ``save`` after every step.
 """
 
 import atexit
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.errors import first_line
+from common.data_only import RUNS_CODE, code_in_checkpoint, file_problem, save_as_data
 from common.failures import agree, fail_alone, fail_together, from_main, why_not_written
 from common.files import fsync_dir, fsync_tree, write_json
 from common.run.record import check_resume_config, unwritten_metrics
@@ -132,7 +134,7 @@ def _file_problem(path: Path, size: int, crc: str | None) -> str | None:
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path:
-    """Full training state (model, optimizer, scheduler, RNGs, registered objects) at ``step``.
+    """Full training state (model, optimizer, scheduler, RNGs, what save_as_data adds) at ``step``.
 
     Every process must call this: save_state writes each process's RNG state and waits for all of
     them (under ``if is_main_process`` it would hang). The main process then lists the files with
@@ -230,14 +232,16 @@ OTHER_GROUPS = "its optimizer has another number of parameter groups than this r
 
 
 def _load_problem(accelerator, checkpoint: Path) -> str | None:
-    """accelerator.load_state; what went wrong in a few words, naming the file; None: loaded."""
+    """accelerator.load_state, unless a file would run code; what went wrong in a few words,
+    naming the file; None: loaded."""
+    if problem := code_in_checkpoint(checkpoint, accelerator.process_index):
+        return problem
     try:
         accelerator.load_state(str(checkpoint))
     except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met
         if "different number of parameter groups" in str(error):  # Optimizer.load_state_dict
             return OTHER_GROUPS
-        name = _file_in_traceback(error, Path(checkpoint))
-        return f"{name + ' ' if name else ''}does not load ({first_line(error)})"
+        return file_problem(_file_in_traceback(error, Path(checkpoint)), error)
     return None
 
 
@@ -263,7 +267,9 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
 
     A checkpoint that does not load on some process is skipped with one warning for the newest
     complete one before it, on every process (loading that one overwrites all that the failed load
-    changed); one named by --resume stops the run with one line instead.
+    changed); one named by --resume stops the run with one line instead. One with a file that
+    would run code (a pickle from elsewhere, or of an earlier version) stops it before that file
+    is read: common.run.data_only.
     """
     if checkpoint is None:
         return
@@ -277,6 +283,12 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
                 f"the scripts (one group, weight decay on every parameter); continue it with "
                 f"that version, or start a new run from its weights with --pretrained-path "
                 f"{checkpoint}/model.safetensors"))
+        if RUNS_CODE in problem:
+            fail_together(accelerator, (
+                f"--resume: {checkpoint} was not loaded: {problem}; these scripts write "
+                f"checkpoints of data only: resume one of theirs, or start a new run (one of an "
+                f"earlier version, with custom_checkpoint_N.pkl: continue it with that version, "
+                f"if you trust where it came from)"))
         decision = [None, None]  # the checkpoint to load instead, or the line that stops the run
         if accelerator.is_main_process:
             step = int(STEP_DIR.match(Path(checkpoint).name).group(1))
@@ -333,8 +345,7 @@ class Checkpointer:
 
 
 class TrainProgress:
-    """Where training stands, saved in every checkpoint
-    (``accelerator.register_for_checkpointing``).
+    """Where training stands, saved in every checkpoint as progress.json (``save_as_data``).
 
     ``step`` counts optimizer steps over the whole run; ``batch_in_epoch`` lets a resumed run skip
     the batches of the current epoch it has already trained on; ``history`` holds the metrics of
@@ -343,9 +354,10 @@ class TrainProgress:
     logging to (wandb's id is chosen before its run starts, MLflow's by MLflow as it starts).
     """
 
-    def __init__(self):
+    def __init__(self, accelerator):
         self.epoch, self.step, self.batch_in_epoch, self.history = 0, 0, 0, []
         self.tracker_run_id = self.mlflow_run_id = None
+        save_as_data(accelerator, self, "progress")
 
     def end_epoch(self, epoch: int, steps_per_epoch: int) -> bool:
         """After the last step trained in ``epoch``: whether the epoch is complete (not cut short by
