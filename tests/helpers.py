@@ -394,7 +394,8 @@ def two_processes(script, *args, cwd: Path, env_extra=None, timeout=300) -> subp
 
 def worker_lines(stderr: str) -> str:
     """What the training processes said, before torchrun's own report of a failed worker."""
-    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/distributed/elastic", stderr, maxsplit=1)[0]
+    # torch logs the path below site-packages, or the whole path (seen where .venv is a link)
+    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ (?:\S*/)?torch/distributed/elastic", stderr, maxsplit=1)[0]
 
 
 def bad_ends(output: str) -> list[str]:
