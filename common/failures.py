@@ -99,22 +99,17 @@ def fail_together(accelerator, message: str) -> None:
     raise error
 
 
-# The keys, in the store through which the processes met (c10d's), that name the process that
-# failed first and count those that ended for it; a watcher thread asks for the first twice a
-# second: no collective, nothing on the training step. Keyed by the restart (_key): a launcher's
-# store outlives one (torchrun's, shared with its rendezvous), and torch 2.14 no longer keys its
-# users' keys by attempt, so a restarted job would read the last one's failure and end at once.
+# The keys, in the store through which the processes met (c10d's): the process that failed first,
+# which a watcher thread asks for twice a second (no collective, nothing on the training step), and
+# the count of those that ended for it. Per restart (_key): a launcher's store outlives an attempt,
+# and torch 2.14 no longer keys its users' keys by attempt: a restart would read the last failure.
 FIRST_FAILURE, ENDED = "first-failure", "ended-for-a-failure"
 POLL_S = 0.5
 GRACE_S = 3.0  # for a process that will meet the failure in a collective and end by itself
-# At most for one answer of the store: a stopped or vanished host answers never (TCP's own timeout,
-# about 15 min) and the client's timeout bounds neither check nor compare_set (measured)
-STORE_S = 5.0
+STORE_S = 5.0  # an answer of the store at most: a stopped host never answers, whatever the timeout
 TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
 EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
-# Process 0 hosts the store unless a launcher does: it ends only once every process has read the
-# failure (at most this long), or the others' watch would meet a closed store instead of the failure
-HOLD_S = POLL_S + GRACE_S + STORE_S
+HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
 _ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
 
 
@@ -136,7 +131,7 @@ def watch_failures(accelerator) -> None:
     if getattr(sys.excepthook, "watches", False):
         return
     several = getattr(accelerator, "num_processes", 1) > 1
-    store, me = _store() if several else None, str(getattr(accelerator, "process_index", 0))
+    store, me = _store() if several else None, str(accelerator.process_index)
     previous = _without_wandbs_traceback(sys.excepthook)
 
     def hook(kind, error, traceback):
@@ -238,7 +233,7 @@ def _claim_the_end() -> None:
 
 def _own_line(accelerator) -> None:
     """Start a line of its own: the main process's progress bar holds the terminal's line."""
-    if getattr(accelerator, "is_main_process", True):
+    if accelerator.is_main_process:
         _clear_progress_bars()
     else:
         print(file=sys.stderr)
@@ -282,8 +277,9 @@ def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> 
     most), its progress bars cleared, its output flushed, its exit handlers run (the run folder's
     lock, the loader workers, wandb's service: EXIT_S at most), then os._exit, not Python's
     shutdown: torch's threads, still in a collective with a process that is gone, can abort it
-    there (C++ "terminate called"). ``through_the_store``: it says so in the store, and process 0
-    holds the store until every process has (HOLD_S at most)."""
+    there (C++ "terminate called"). ``through_the_store``: it says so in the store, and process 0,
+    which hosts the store unless a launcher does, holds it until every process has (HOLD_S at
+    most): the others' watch would meet a closed store instead of the failure."""
     _claim_the_end()
     several = through_the_store and getattr(accelerator, "num_processes", 1) > 1
     ended = 0
@@ -291,7 +287,7 @@ def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> 
         ended = several and _bounded(STORE_S, _store().add, _key(ENDED), 1)
     for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator, exit_code)),
                                 (EXIT_S, _exit_handlers, ())):
-        with suppress(Exception):  # noqa: SIM117 - each bounded alone
+        with suppress(Exception):
             _bounded(seconds, call, *args)
     deadline = time.monotonic() + HOLD_S
     with suppress(Exception):
