@@ -18,7 +18,8 @@ import shutil
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -79,9 +80,9 @@ def main_alone(accelerator, name: str, seconds: float):
         yield
     finally:
         if main and accelerator.num_processes > 1:
-            _store().set(name, "done")  # done or failed: the next collective says which
+            _store().set(_key(name), "done")  # done or failed: the next collective says which
     if not main:
-        _store().wait([name], timedelta(seconds=seconds))
+        _store().wait([_key(name)], timedelta(seconds=seconds))
 
 
 def fail_together(accelerator, message: str) -> None:
@@ -98,12 +99,22 @@ def fail_together(accelerator, message: str) -> None:
     raise error
 
 
-# The key, in the store through which the processes met (c10d's), that names the process that failed
-# first. A watcher thread asks for it twice a second: no collective, nothing on the training step.
-FIRST_FAILURE = "first-failure"
+# The keys, in the store through which the processes met (c10d's): the process that failed first,
+# which a watcher thread asks for twice a second (no collective, nothing on the training step), and
+# the count of those that ended for it. Per restart (_key): a launcher's store outlives an attempt,
+# and torch 2.14 no longer keys its users' keys by attempt: a restart would read the last failure.
+FIRST_FAILURE, ENDED = "first-failure", "ended-for-a-failure"
 POLL_S = 0.5
 GRACE_S = 3.0  # for a process that will meet the failure in a collective and end by itself
+STORE_S = 5.0  # an answer of the store at most: a stopped host never answers, whatever the timeout
 TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
+EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
+HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
+_ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
+
+
+def _key(name: str) -> str:
+    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def watch_failures(accelerator) -> None:
@@ -111,16 +122,21 @@ def watch_failures(accelerator) -> None:
     line: that process's own (a bad image's line, the traceback of a bug), said by it alone. The
     others end without a word, and without waiting out a collective until --dist-timeout: the one
     they are in fails (gloo: "Connection closed by peer") or, if it waits (NCCL), a watcher thread
-    that reads the store ends the process. Every process exits 1, its trackers closed as failed.
-    A process killed outright (out of memory, SIGKILL) posts nothing: the first to lose it in a
-    collective says so in one line. Failures the processes agree on (``fail_together``) and stops
-    (``announce_stop``) end as before. Multi-process runs only; call it once training starts."""
-    if getattr(accelerator, "num_processes", 1) == 1 or getattr(sys.excepthook, "watches", False):
+    that reads the store ends the process. A store that fails or does not answer (its host ended or
+    stopped) is itself a failure of the job: each process says so and ends. Every process exits 1,
+    once, its trackers closed as failed, one process too. A process killed outright (out of memory,
+    SIGKILL) posts nothing: the first to lose it in a collective says so in one line. Failures the
+    processes agree on (``fail_together``) and stops (``announce_stop``) end as before. Call it
+    once training starts: it replaces the excepthook."""
+    if getattr(sys.excepthook, "watches", False):
         return
-    store, me, previous = _store(), str(accelerator.process_index), sys.excepthook
+    several = getattr(accelerator, "num_processes", 1) > 1
+    store, me = _store() if several else None, str(accelerator.process_index)
+    previous = _without_wandbs_traceback(sys.excepthook)
 
     def hook(kind, error, traceback):
-        if _first(store, me):
+        _claim_the_end()
+        if store is None or _first(store, me):
             _own_line(accelerator)
             if _lost_a_process(error):
                 print(f"error: process {me} lost another process of the job in a collective "
@@ -133,15 +149,30 @@ def watch_failures(accelerator) -> None:
                       f"second", file=sys.stderr)
             else:
                 previous(kind, error, traceback)  # our line (a bad image) or a bug's traceback
-        end_now(accelerator)
+        end_now(accelerator, through_the_store=several and not _lost_a_process(error))
 
     hook.watches = True
     sys.excepthook = hook
-    stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(store, me, accelerator, stop), daemon=True,
-                              name="failure-watch")
-    thread.start()
-    atexit.register(_stop_watching, stop, thread)
+    if several:
+        stop = threading.Event()
+        thread = threading.Thread(target=_watch, args=(store, me, accelerator, stop), daemon=True,
+                                  name="failure-watch")
+        thread.start()
+        atexit.register(_stop_watching, stop, thread)
+
+
+def _without_wandbs_traceback(hook):
+    """``hook`` without wandb's traceback: wandb puts its excepthook around the one it finds as its
+    service starts (wandb/sdk/lib/exit_hooks.py), which prints the whole traceback before calling
+    that one (our line); the exit code it records for the run is kept."""
+    wandbs = getattr(hook, "__self__", None)
+    if not hasattr(wandbs, "_orig_excepthook"):
+        return hook
+
+    def told(kind, error, traceback):
+        wandbs.exit_code = 1
+        (wandbs._orig_excepthook or sys.__excepthook__)(kind, error, traceback)  # noqa: SLF001
+    return told
 
 
 def fail_alone(accelerator, message: str) -> None:
@@ -151,6 +182,7 @@ def fail_alone(accelerator, message: str) -> None:
     collective that loses this one, or the watch). With one process: a UserError, as ever."""
     if getattr(accelerator, "num_processes", 1) == 1:
         raise UserError(message)
+    _claim_the_end()
     if _first(_store(), str(accelerator.process_index)):
         _own_line(accelerator)
         print(UserError(message).code, file=sys.stderr)
@@ -163,12 +195,40 @@ def _store():
     return torch.distributed.distributed_c10d._get_default_store()  # noqa: SLF001
 
 
+def _bounded(seconds: float, call, *args):
+    """``call(*args)`` waited for ``seconds`` at most, in a thread of its own (left behind if it
+    does not return: the process is ending by then): its result, or its error, or TimeoutError."""
+    done = {}
+
+    def run():
+        try:
+            done["result"] = call(*args)
+        except Exception as error:  # noqa: BLE001 - raised again below, in the caller's thread
+            done["error"] = error
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "error" in done:
+        raise done["error"]
+    if "result" not in done:
+        raise TimeoutError(f"no answer in {seconds:g} s")
+    return done["result"]
+
+
 def _first(store, me: str) -> bool:
-    """Whether this process's failure is the job's first: the store keeps the first name given."""
+    """Whether this process's failure is the job's first, to be said: the store keeps the first
+    name given. A store that fails or does not answer cannot tell: said, rather than never."""
     try:
-        return store.compare_set(FIRST_FAILURE, "", me).decode() == me
-    except Exception:  # noqa: BLE001 - the store's host (the main process) ended: it went first
-        return False
+        return _bounded(STORE_S, store.compare_set, _key(FIRST_FAILURE), "", me).decode() == me
+    except Exception:  # noqa: BLE001 - its host ended or stopped: the job is failing anyway
+        return True
+
+
+def _claim_the_end() -> None:
+    """This thread ends the process, once: a thread that comes second (the watcher and the
+    excepthook at once) waits for the first one's os._exit instead, saying nothing."""
+    if not _ENDING.acquire(blocking=False):
+        threading.Event().wait()
 
 
 def _own_line(accelerator) -> None:
@@ -182,44 +242,68 @@ def _own_line(accelerator) -> None:
 def _stop_watching(stop: threading.Event, thread: threading.Thread) -> None:
     """At exit, the watcher out of the store before Python's shutdown: a daemon thread that it
     finds inside a C++ call (the store's) is ended there, and the process aborts ("terminate
-    called without an active exception")."""
+    called without an active exception"). Not when end_now runs the exit handlers (another thread
+    holds _ENDING): it ends the process with os._exit, and the watcher may be waiting for it."""
     stop.set()
-    if thread is not threading.current_thread():  # end_now, from the watcher itself
-        thread.join(timeout=10)
+    if _ENDING.acquire(blocking=False):  # a normal exit: a watcher that wakes now ends nothing
+        thread.join(timeout=STORE_S + 1)
 
 
 def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
-    """Another process's failure, read from the store: this process ends, unless its main thread
-    meets the failure itself within GRACE_S (gloo's collectives fail at once) and ends there.
-    Until ``stop`` is set."""
+    """Another process's failure, or the store's, read from the store: this process ends, unless
+    within GRACE_S it ends by itself, with its own failure met in a collective (gloo's fail at
+    once) or at the job's end (the store's host exits first). Until ``stop`` is set."""
     while not stop.wait(POLL_S):
         try:
-            if not store.check([FIRST_FAILURE]):
+            if not _bounded(STORE_S, store.check, [_key(FIRST_FAILURE)]):
                 continue
-            failed = store.get(FIRST_FAILURE).decode()
-        except Exception:  # noqa: BLE001 - the store's host ended: a job that finished, or a
-            return  # failure that the collective this process meets next reports
-        if failed != me and not stop.wait(GRACE_S):  # (this process ending by itself meanwhile)
-            end_now(accelerator)
-        return
+            failed, lost = _bounded(STORE_S, store.get, _key(FIRST_FAILURE)).decode(), None
+        except Exception as error:  # noqa: BLE001 - the store's host ended or stopped
+            failed, lost = None, error
+        if failed == me or stop.wait(GRACE_S) or not threading.main_thread().is_alive():
+            return
+        _claim_the_end()
+        if lost is not None:
+            _own_line(accelerator)
+            print(f"error: process {me} lost the store through which the job's processes meet "
+                  f"({first_line(lost)}): its host (process 0, or the launcher) ended or stopped, "
+                  f"so the job is failing; that process's output or the launcher's report says "
+                  f"why", file=sys.stderr)
+        end_now(accelerator, through_the_store=lost is None)
 
 
-def end_now(accelerator, exit_code: int = 1) -> None:
-    """End this process as failed, now: its trackers closed as failed (for TRACKERS_S at most),
-    its progress bars cleared, its output flushed and its exit handlers run (the run folder's lock,
-    the loader workers), then os._exit, not Python's shutdown: torch's threads, still in a
-    collective with a process that is gone, can abort it there (C++ "terminate called")."""
-    closing = threading.Thread(target=end_tracking_failed, args=(accelerator, exit_code),
-                               daemon=True)
-    closing.start()
-    closing.join(TRACKERS_S)
+def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> None:
+    """End this process as failed, now, once: its trackers closed as failed (for TRACKERS_S at
+    most), its progress bars cleared, its output flushed, its exit handlers run (the run folder's
+    lock, the loader workers, wandb's service: EXIT_S at most), then os._exit, not Python's
+    shutdown: torch's threads, still in a collective with a process that is gone, can abort it
+    there (C++ "terminate called"). ``through_the_store``: it says so in the store, and process 0,
+    which hosts the store unless a launcher does, holds it until every process has (HOLD_S at
+    most): the others' watch would meet a closed store instead of the failure."""
+    _claim_the_end()
+    several = through_the_store and getattr(accelerator, "num_processes", 1) > 1
+    ended = 0
+    with suppress(Exception):
+        ended = several and _bounded(STORE_S, _store().add, _key(ENDED), 1)
+    for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator, exit_code)),
+                                (EXIT_S, _exit_handlers, ())):
+        with suppress(Exception):
+            _bounded(seconds, call, *args)
+    deadline = time.monotonic() + HOLD_S
+    with suppress(Exception):
+        while several and accelerator.process_index == 0 and ended < accelerator.num_processes \
+                and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+            ended = _bounded(STORE_S, _store().add, _key(ENDED), 0)
+    os._exit(exit_code)
+
+
+def _exit_handlers() -> None:
+    """What a normal exit runs first: the output flushed, the exit handlers."""
     _clear_progress_bars()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        atexit._run_exitfuncs()  # noqa: SLF001 - what a normal exit runs first
-    finally:
-        os._exit(exit_code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # noqa: SLF001
 
 
 def _clear_progress_bars() -> None:
@@ -254,20 +338,23 @@ def ignore_the_launchers_stop() -> None:
 
 
 def end_tracking_failed(accelerator, exit_code: int = 1) -> None:
-    """Finish the job's trackers as failed: wandb records a run that nothing finished as exit code
-    0, that is, as a success, and Accelerate's MLflow finish() as FINISHED. Only the main process
-    has trackers; a no-op before they start."""
+    """Finish the job's trackers as failed, from any thread: wandb records a run that nothing
+    finished as exit code 0, that is, as a success, and Accelerate's MLflow finish() as FINISHED;
+    TensorBoard's finish() flushes its events. Only the main process has trackers; a no-op before
+    they start."""
     for tracker in getattr(accelerator, "trackers", None) or []:
-        try:
+        with suppress(Exception):  # already failing; tracking must not add to it
             run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run
             if hasattr(run, "finish"):
                 run.finish(exit_code=exit_code)
-            elif getattr(tracker, "name", None) == "mlflow" and accelerator.is_main_process:
-                sys.modules["mlflow"].end_run(status="FAILED")  # imported as the run started
+            elif getattr(tracker, "name", None) == "mlflow":  # imported as the run started
+                # MLflow's active run is the thread's own: its client ends it from end_now's thread,
+                # end_run in the thread that started it (else FINISHED at exit)
+                mlflow = sys.modules["mlflow"]
+                mlflow.MlflowClient().set_terminated(tracker.active_run.info.run_id, "FAILED")
+                mlflow.end_run(status="FAILED")
             else:
                 tracker.finish()
-        except Exception:  # noqa: BLE001, S110 - already failing; tracking must not add to it
-            pass
     if getattr(accelerator, "trackers", None):
         accelerator.trackers = []
 

@@ -372,8 +372,9 @@ class Processes:
     processes cost about 20 s of CPU before the first step. How the launchers start the processes
     is tested with the launchers (test_train_ddp.py, test_fault_tolerance.py ...)."""
 
-    def __init__(self, script, *args, count=2, cwd: Path, env_extra=None):
-        self.logs, self.procs, port = Path(cwd), [], free_port()
+    def __init__(self, script, *args, count=2, cwd: Path, env_extra=None, port=None):
+        """``port``: where a store of the test's own (a launcher's) listens; a free one otherwise."""
+        self.logs, self.procs, port = Path(cwd), [], port or free_port()
         path = ROOT / "scripts" / script  # a path joined to an absolute one is that one
         for rank in range(count):
             env = user_env(CIFAR_CACHE_DIR=str(Path(cwd) / ".cache"), OMP_NUM_THREADS="1", RANK=str(rank),

@@ -8,6 +8,7 @@ load. The processes are started as torchrun starts its workers, but without a la
 output are checked, not only the lines printed.
 """
 
+import os
 import re
 import shutil
 import signal
@@ -15,9 +16,13 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import pytest
-from helpers import ROOT, Processes, image_folder, tmpfs
+import torch
+from helpers import ROOT, Processes, image_folder, tmpfs, wandb_runs
+from wandb_records import offline_run
 
 FOLDER = ["--image-size", "32", "--model", "resnet20", "--batch-size", "8", "--epochs", "1", "--loader",
           "workers", "--workers", "1", "--report-to", "none"]
@@ -74,9 +79,14 @@ def test_a_bad_training_image_in_one_process_ends_both_and_the_advice_finishes_t
 
 
 def test_a_bad_evaluation_image_in_one_process_ends_both(folder, tmp_path):
+    """With the default --report-to wandb (offline: no API key): wandb's own excepthook, around ours on
+    the main process, prints no traceback, and its run is recorded as failed."""
     bad = damaged(folder, "val", 7)
-    job = Processes("train_ddp.py", "--data-dir", folder, *FOLDER, "--output-dir", tmp_path / "run", cwd=tmp_path)
+    flags = [*FOLDER[:-1], "wandb"]
+    job = Processes("train_ddp.py", "--data-dir", folder, *flags, "--output-dir", tmp_path / "run", cwd=tmp_path)
     [line] = ended_as_one(job)
+    [record] = wandb_runs(tmp_path / "run")
+    assert offline_run(record)["exit_code"] == 1
     assert line.startswith(f"error: cannot decode image {bad} (OSError")
     assert "--bad-images skip" in line
 
@@ -99,12 +109,148 @@ def test_a_process_killed_mid_training_ends_the_other_with_one_line(tmp_path):
     assert not any(sign in job.stderr(0) for sign in ABORTS), job.output()
 
 
+@contextmanager
+def launchers_store():
+    """A store hosted by a process of its own, as torchrun's agent hosts one for its workers
+    (TORCHELASTIC_USE_AGENT_STORE: every process a client): its process, and the variables and port
+    that point a job's processes at it. It outlives the jobs that use it, as the agent's outlives a
+    restart."""
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist\n"
+                             "store = dist.TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)\n"
+                             "print(store.port, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        yield host, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}, port
+    finally:
+        host.send_signal(signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
+def probe(tmp_path, name: str, port=None, **env) -> Processes:
+    """tests/probe_watch.py on 2 processes, in a folder of its own, with PROBE_* and other ``env``."""
+    (tmp_path / name).mkdir()
+    return Processes(ROOT / "tests" / "probe_watch.py", cwd=tmp_path / name, env_extra={k: str(v) for k, v in env.items()},
+                     port=port)
+
+
+def ready(job: Processes) -> None:
+    """Once both processes watch (they print "ready")."""
+    deadline = time.monotonic() + 120
+    while not all("ready" in job.stdout(rank) for rank in (0, 1)):
+        assert time.monotonic() < deadline and None in (p.poll() for p in job.procs), job.output()
+        time.sleep(0.1)
+
+
+def ended_by_the_watch(job: Processes, failed: int, spread: float = 6) -> None:
+    """Both processes exited 1 (no signal, no abort), ``failed`` with its bug's traceback, the other
+    without a word and without sleeping out its 60 s: ended by the watch, within ``spread`` s."""
+    assert job.wait(timeout=120) == [1, 1], job.output()
+    assert job.spread() < spread, (job.spread(), job.output())  # the watch asks every 0.5 s, then waits 3 s
+    assert job.stderr(failed).count(f"RuntimeError: a bug in process {failed}") == 1, job.output()
+    other = 1 - failed
+    assert lines(job.stderr(other)) == [] and "not ended" not in job.stdout(other), job.output()
+    assert "Traceback" not in job.stderr(other), job.output()
+    assert not any(sign in job.stderr(rank) for rank in (0, 1) for sign in ABORTS[1:]), job.output()
+
+
 def test_a_process_waiting_outside_a_collective_is_ended_by_the_watch(tmp_path):
-    job = Processes(ROOT / "tests" / "probe_watch.py", cwd=tmp_path)
-    assert job.wait(timeout=60) == [1, 1], job.output()
-    assert job.spread() < 6, (job.spread(), job.output())  # the watch asks every 0.5 s, then waits 3 s
-    assert "RuntimeError: a bug in process 1" in job.stderr(1)  # a bug keeps its traceback
-    assert job.stderr(0) == "" and "not ended" not in job.stdout(0), job.output()
+    ended_by_the_watch(probe(tmp_path, "one"), failed=1)
+
+
+@pytest.mark.parametrize("store", ["own", "launcher's"])
+def test_the_store_s_host_failing_first_ends_the_others_and_a_restart_starts_clean(tmp_path, store):
+    """Process 0 fails first. Without a launcher's store it hosts the store (as under make ddp and
+    Processes): it holds it until the other process has read the failure, which it would otherwise
+    meet as a closed store (before: process 1 finished its wait and exited 0). A launcher's store
+    stays, and outlives the job as torchrun's outlives an attempt: the job restarted
+    (TORCHELASTIC_RESTART_COUNT 1) runs its 8 s and exits 0 (before: ended about 3.5 s in, by the
+    first attempt's failure)."""
+    with launchers_store() if store != "own" else nullcontext((None, {}, None)) as (_, env, port):
+        ended_by_the_watch(probe(tmp_path, "job", port=port, PROBE_FAILS="0", **env), failed=0)
+        if port:
+            # torch 2.14 keys its own keys by no attempt either: a restarted process may read the last
+            # attempt's gloo addresses and fail to connect (seen). Those go; the failure watch's stay.
+            store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+            for key in store.list_keys():
+                if "first-failure" not in key and "ended-for-a-failure" not in key:
+                    store.delete_key(key)
+            again = probe(tmp_path, "again", port=port, PROBE_FAILS="none", **dict(env, TORCHELASTIC_RESTART_COUNT="1"))
+            assert again.wait(timeout=120) == [0, 0], again.output()
+            assert all(again.stderr(rank).strip() == "" for rank in (0, 1)), again.output()
+
+
+def test_the_store_s_host_killed_ends_the_others_with_one_line(tmp_path):
+    """Process 0, which hosts the store, killed (SIGKILL) while both wait outside any collective: the
+    store goes with it, and process 1's watch meets the error, which is itself the news that the job is
+    failing: one line, exit 1 (before: the watch ended silently and process 1 slept on and exited 0)."""
+    job = probe(tmp_path, "job", PROBE_FAILS="none", PROBE_WAIT_S=60)
+    ready(job)
+    job.procs[0].send_signal(signal.SIGKILL)
+    assert job.wait(timeout=120) == [-signal.SIGKILL, 1], job.output()
+    assert job.spread() < 6, (job.spread(), job.output())
+    [line] = lines(job.stderr(1))
+    assert re.fullmatch(r"error: process 1 lost the store through which the job's processes meet \(.+\): its host "
+                        r"\(process 0, or the launcher\) ended or stopped, so the job is failing; that process's "
+                        r"output or the launcher's report says why", line), line
+    assert not any(sign in job.stderr(1) for sign in ABORTS), job.output()
+
+
+def test_a_stopped_store_ends_every_process_each_with_one_line(tmp_path):
+    """The launcher's store process stopped (SIGSTOP): it holds every connection and never answers.
+    Then process 1 fails: it cannot learn whether it is first and says its traceback; process 0's
+    watch gets no answer and says that the store is lost. Every store call is bounded (5 s)."""
+    with launchers_store() as (host, env, port):
+        job = probe(tmp_path, "job", port=port, PROBE_GO="go", **env)
+        ready(job)
+        host.send_signal(signal.SIGSTOP)
+        (tmp_path / "job" / "go").touch()
+        stopped = time.monotonic()
+        assert job.wait(timeout=120) == [1, 1], job.output()
+        assert time.monotonic() - stopped < 30, job.output()  # bounds: 5 s an answer, 3 s of grace
+    assert job.stderr(1).count("RuntimeError: a bug in process 1") == 1, job.output()
+    assert lines(job.stderr(1)) == [], job.output()
+    [line] = lines(job.stderr(0))
+    assert re.fullmatch(r"error: process 0 lost the store through which the job's processes meet \(TimeoutError: "
+                        r"no answer in 5 s\): its host \(process 0, or the launcher\) ended or stopped, so the job is "
+                        r"failing; that process's output or the launcher's report says why", line), line
+    assert not any(sign in job.stderr(rank) for rank in (0, 1) for sign in ABORTS[1:]), job.output()
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_mlflow_reads_the_failed_run_as_failed_whichever_process_fails(tmp_path, failed):
+    """MLflow's and TensorBoard's trackers on the main process, read back with MLflow's client: FAILED
+    (before: FINISHED when the main process failed, its excepthook's thread ending nothing; RUNNING
+    when the watch ended it), the TensorBoard events flushed; MLflow's own lines not on stderr."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = probe(tmp_path, "job", PROBE_TRACK="mlflow,tensorboard", PROBE_DIR=tmp_path / "tb", PROBE_FAILS=str(failed),
+                MLFLOW_TRACKING_URI=uri)
+    ended_by_the_watch(job, failed)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"
+    assert [p.stat().st_size > 0 for p in (tmp_path / "tb").rglob("events.out.tfevents.*")] == [True]
+
+
+def test_a_tracker_that_never_finishes_costs_its_bounds(tmp_path):
+    """wandb offline on the main process, its service process (wandb-core) stopped (SIGSTOP) before
+    process 1 fails: wandb's finish and its service's teardown at exit never return. Process 0, ended
+    by the watch, waits 10 s for each and exits 1 (before: never)."""
+    job = probe(tmp_path, "job", PROBE_TRACK="wandb", WANDB_MODE="offline", WANDB_DIR=tmp_path, PROBE_GO="go")
+    ready(job)
+    service = [int(child) for task in Path(f"/proc/{job.procs[0].pid}/task").iterdir()
+               for child in (task / "children").read_text().split()]
+    assert service, job.output()
+    for pid in service:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        (tmp_path / "job" / "go").touch()
+        ended_by_the_watch(job, failed=1, spread=3.5 + 10 + 10 + 10)
+    finally:
+        for pid in service:
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(shutil.which("mount") is None, reason="mounts a tmpfs")

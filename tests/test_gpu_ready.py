@@ -7,6 +7,7 @@ under --deterministic on real kernels) is in tests/test_gpu.py, run by `make gpu
 import dataclasses
 import os
 import signal
+import sys
 import types
 
 import pytest
@@ -28,7 +29,7 @@ class FakeAccelerator:
     """What the guards use of an Accelerator, in one process."""
 
     is_main_process = True
-    num_processes = 1
+    num_processes, process_index = 1, 0
     device = torch.device("cpu")
 
     def __init__(self):
@@ -122,7 +123,8 @@ def test_a_gpu_step_is_read_one_step_later_and_at_once_before_a_checkpoint(tmp_p
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_signal_finishes_the_step_then_every_process_stops(tmp_path, stop_signal):
+def test_a_stop_signal_finishes_the_step_then_every_process_stops(tmp_path, stop_signal, monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the failure watch's, put back after the test
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     accelerator = FakeAccelerator()
     try:

@@ -28,7 +28,8 @@ def on_node(monkeypatch, processes: int, gpus: int, nccl=OLD, rank: int = 0):
     monkeypatch.setattr(launch, "nccl_version", lambda: nccl)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
-    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "ACCELERATE_BYPASS_DEVICE_MAP"):  # what set_gpu_sharing sets
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "ACCELERATE_BYPASS_DEVICE_MAP",  # what set_gpu_sharing sets
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.setenv(name, "")  # so that monkeypatch removes it again after the test
         monkeypatch.delenv(name)
     monkeypatch.setattr(PartialState, "wait_for_everyone", PartialState.wait_for_everyone)  # and this
@@ -51,6 +52,18 @@ def test_more_processes_than_gpus_is_refused_in_one_line_a_node(monkeypatch):
     on_node(monkeypatch, 4, 4)  # one process per GPU: nothing to share, NCCL as Accelerate picks it
     assert launch.set_gpu_sharing(None) is None and launch.set_gpu_sharing("auto") is None
     assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ and "ACCELERATE_BYPASS_DEVICE_MAP" not in os.environ
+
+
+@pytest.mark.parametrize(("given", "chosen"), [(None, "2"), ("1", "2"), ("0", "0"), ("3", "3")])
+def test_nccl_errors_reach_the_main_thread_unless_the_user_chose_another_mode(monkeypatch, given, chosen):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING: torchrun's 1 (or none) becomes 2, CleanUpOnly, under which NCCL's
+    watchdog raises in the main thread instead of aborting the process; another mode set is kept. What NCCL
+    then does is a GPU check (tests/test_gpu.py)."""
+    on_node(monkeypatch, 4, 4)
+    if given is not None:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given)
+    launch.set_gpu_sharing(None)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == chosen
 
 
 # (--share-gpus, processes, GPUs, NCCL) -> (processes per GPU, backend)

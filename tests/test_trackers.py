@@ -4,10 +4,12 @@ package one warning line."""
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, run
+from helpers import ROOT, image_folder, run
+from wandb_records import offline_run
 
 # 256 images at batch 64: 4 optimizer steps an epoch, seconds on a CPU.
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
@@ -104,8 +106,11 @@ def test_a_tracker_whose_package_is_missing_is_one_warning(tmp_path):
 
 
 def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
-    """common.failures.end_tracking_failed on an MLflow tracker: Accelerate's MLflowTracker holds
-    no run object, and its finish() (mlflow.end_run()) would record the run as FINISHED."""
+    """common.failures.end_tracking_failed on an MLflow tracker, from the thread that started the run
+    (fail_together) and from another (end_now's): Accelerate's MLflowTracker's finish()
+    (mlflow.end_run()) would record the run as FINISHED, and MLflow's active run is the thread's own."""
+    import threading
+
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -113,15 +118,43 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    run_id = mlflow.start_run().info.run_id  # what MLflowTracker.start does, without a job around
     try:
-        accelerator = SimpleNamespace(is_main_process=True, trackers=[
-            SimpleNamespace(name="mlflow", finish=mlflow.end_run)])
-        end_tracking_failed(accelerator)
-        assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
-        assert accelerator.trackers == [] and mlflow.active_run() is None
+        for elsewhere in (False, True):
+            started = mlflow.start_run()  # what MLflowTracker.start does, without a job around
+            accelerator = SimpleNamespace(is_main_process=True, trackers=[
+                SimpleNamespace(name="mlflow", active_run=started, finish=mlflow.end_run)])
+            closing = threading.Thread(target=end_tracking_failed, args=(accelerator,))
+            closing.start() if elsewhere else end_tracking_failed(accelerator)
+            closing.join() if elsewhere else None
+            assert MlflowClient(tracking_uri=uri).get_run(started.info.run_id).info.status == "FAILED", elsewhere
+            assert accelerator.trackers == [] and (elsewhere or mlflow.active_run() is None)
+            mlflow.end_run("FAILED")  # end_now never returns to this thread: its run is left to os._exit
     finally:  # a run left open would be ended at exit, in a ./mlflow.db (the variable gone by then)
         mlflow.end_run()
+
+
+def test_a_run_that_fails_on_a_bad_image_is_one_line_and_failed_in_every_tracker(tmp_path):
+    """train_single.py with wandb (offline) and MLflow on a folder holding a damaged image: the bad
+    image's line alone on stderr (no traceback from wandb's excepthook, no MLflow INFO lines), exit 1;
+    MLflow's client reads the run as FAILED (before: FINISHED), wandb's record has exit code 1."""
+    from mlflow.tracking import MlflowClient
+
+    folder = image_folder(tmp_path / "data", train=48, val=8, classes=2)
+    bad = sorted((folder / "train").rglob("*.jpg"))[5]
+    bad.write_bytes(bad.read_bytes()[:300])
+    out = tmp_path / "run"
+    done = run("train_single.py", "--data-dir", folder, "--image-size", "32", "--model", "resnet20", "--batch-size", 8,
+               "--epochs", 1, "--loader", "workers", "--workers", 1, "--report-to", "wandb", "mlflow",
+               "--output-dir", out, cwd=tmp_path, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = [line for line in re.split(r"[\r\n]", done.stderr)  # but wandb's own lines and the progress bar
+            if line.strip() and not line.startswith("wandb:") and "|" not in line]
+    assert len(said) == 1 and said[0].startswith(f"error: cannot decode image {bad}"), done.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert mlflow_run.info.status == "FAILED"
+    [datastore] = (out / "wandb").glob("offline-run-*/run-*.wandb")  # one of two: wandb.init ran twice, once empty
+    assert offline_run(datastore.parent)["exit_code"] == 1
 
 
 def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():

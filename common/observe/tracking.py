@@ -24,6 +24,7 @@ not answer in time (START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, prints one 
 training goes on without tracking.
 """
 
+import logging
 import netrc
 import os
 import secrets
@@ -201,6 +202,9 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
         tries = 1 + int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
         accelerator.print(f"mlflow: starting its run at {uri} (one that does not answer costs "
                           f"about {tries * wait + 3:g} s, then training goes on)")
+    # MLflow's INFO lines on a new store ("Creating initial MLflow database tables...") would come
+    # before the start line
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     if accelerator.is_main_process and not uri:
         # MLflow 3's default is sqlite:///mlflow.db in the working directory (full mlflow only).
         os.environ["MLFLOW_TRACKING_URI"] = run_folder_mlflow_uri(output_dir)

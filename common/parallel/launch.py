@@ -134,7 +134,14 @@ def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
     device_ids=[local rank] (accelerator.py, prepare_model), a GPU this node lacks once processes
     outnumber GPUs: with ACCELERATE_BYPASS_DEVICE_MAP=true it passes none, and DDP uses the device
     the model is on (its own GPU, local rank % GPUs). Accelerate's barrier is put on this process's
-    GPU (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set)."""
+    GPU (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set).
+    NCCL's errors reach the main thread (TORCH_NCCL_ASYNC_ERROR_HANDLING, below)."""
+    # torchrun gives its workers 1 (TearDown) unless set: NCCL's watchdog then aborts the process
+    # on a collective's error or timeout (SIGABRT, a C++ dump, the trackers left open), racing the
+    # failure watch's grace (common.failures). 2 (CleanUpOnly) aborts the communicators only: the
+    # error is raised in the main thread, whose excepthook (the watch's) says it once and exits 1.
+    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read as NCCL's process group is made
     try:
         sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
                                    nccl_version(), sharded)
