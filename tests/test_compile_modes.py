@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import TorchDynamoPlugin
 from helpers import DATA, run
+from test_faults_data import read_only_home  # noqa: F401 - a fixture: a real read-only mount
 from torch._dynamo.utils import counters
 
 from common.errors import UserError
@@ -146,6 +147,15 @@ def test_the_cache_goes_beside_the_run_folders_unless_the_user_chose_one(monkeyp
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere")
     with pytest.raises(UserError, match=r"--compile inductor: not offered with DataParallel .*: use train_ddp.py"):
         set_up_compiling(flags("inductor"), model_is="replicas")
+
+
+def test_a_folder_of_runs_that_cannot_be_written_keeps_torch_s_cache(monkeypatch, read_only_home):
+    """--output-dir on a writable mount inside a read-only one: the cache stays where torch puts it (the start
+    line says where), rather than failing the compile."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT)
+    set_up_compiling(flags("inductor", output_dir=str(read_only_home / "run")))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == TORCH_DEFAULT and not (read_only_home / ".compile-cache").exists()
 
 
 def test_a_model_that_fails_to_compile_stops_in_one_line_and_its_advice_trains_it(tmp_path):

@@ -100,7 +100,11 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT) == TORCH_DEFAULT:
         runs = Path(args.output_dir).parent if args.output_dir else Path("runs")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((runs / CACHE_FOLDER).absolute())
+        try:  # a folder of runs this job cannot write (a read-only mount) leaves torch's, said
+            (runs / CACHE_FOLDER).mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((runs / CACHE_FOLDER).absolute())
+        except OSError:
+            pass
     sys.excepthook = _said_in_one_line(sys.excepthook, args.compile)
     # fixed shapes for the CUDA-graph modes, which record one graph per shape
     return TorchDynamoPlugin(backend=backend, mode=mode,
