@@ -37,6 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import tools
 from common.data.stats import channel_stats
 from common.data.synthetic import make_synthetic
 from common.data.transform import BatchTransform
@@ -185,7 +186,7 @@ def script_counts(model: str, batch: int, workdir: Path, profiler: bool = False,
                "--report-to", "none", "--compile", compile, "--output-dir", str(output_dir)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        last = tools.last_line(done.stdout, done.stderr)
         raise RuntimeError(f"exit status {done.returncode}: {last}")
     return steady(read(counts_file))
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import tools
+
 ROOT = Path(__file__).resolve().parents[1]
 DONE = re.compile(r"^done: step (\d+), test_acc (\d+\.\d+)", re.MULTILINE)
 DEMO = ("--model", "resnet20", "--epochs", "8")  # the Makefile's demo, on a CPU
@@ -49,7 +51,7 @@ def launch(script: str, flags: list[str], output_dir: Path, timeout: float) -> d
     wall = time.perf_counter() - start
     found = DONE.search(done.stdout)
     if done.returncode != 0 or not found:
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        last = tools.last_line(done.stdout, done.stderr)
         raise RuntimeError(f"{script}: exit status {done.returncode}: {last}")
     epochs = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((output_dir / "config.json").read_text())

@@ -229,6 +229,11 @@ class WatchedRun:
     memory_error: str | None = None  # why nvidia-smi could not measure
 
 
+def last_line(stdout: str, stderr: str) -> str:
+    """What a failed launch said last, for a one-line error: its stderr's last line, else stdout's."""
+    return (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
+
+
 def run_watched(command: list[str], cwd: Path, gpus: int, timeout: float,
                 env: dict | None = None) -> WatchedRun:
     """Run ``command`` to its end, with the peak memory of each of its ``gpus`` GPUs; the whole

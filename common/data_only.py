@@ -111,7 +111,7 @@ def save_as_data(accelerator, obj, name: str) -> None:
             if tensors:
                 save_file(tensors, Path(folder) / f"{name}.safetensors")
 
-    def load(models, folder):
+    def restore(models, folder):  # not accelerate.utils.load, which code_in_checkpoint uses
         state = json.loads((Path(folder) / f"{name}.json").read_text())
         tensors = Path(folder) / f"{name}.safetensors"
         for key, tensor in (load_file(tensors) if tensors.exists() else {}).items():
@@ -120,7 +120,7 @@ def save_as_data(accelerator, obj, name: str) -> None:
         obj.load_state_dict(state)
 
     accelerator.register_save_state_pre_hook(save)
-    accelerator.register_load_state_pre_hook(load)
+    accelerator.register_load_state_pre_hook(restore)
 
 
 def _without_tensors(state: dict, tensors: dict, prefix: str) -> dict:

@@ -300,7 +300,7 @@ def launch(strategy, args, global_batch: int, steps: int, gpus: int, workdir: Pa
         torch.cuda.empty_cache()
     run = tools.run_watched(timed, ROOT, gpus, args.timeout)
     if run.returncode != 0:
-        last = (run.stderr.strip() or run.stdout.strip() or "no output").splitlines()[-1]
+        last = tools.last_line(run.stdout, run.stderr)
         raise RuntimeError(f"exit status {run.returncode}: {last}")
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     if len(metrics) != 1 or metrics[0]["step"] != max_steps:

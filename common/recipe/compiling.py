@@ -9,8 +9,8 @@ default) replays each training step of a one-process run on a CUDA GPU as CUDA g
 by the host launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s
 with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains eagerly, as --compile none always
 does: on a CPU compiling costs 45-50 s and gains nothing over bf16 and channels_last
-(docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune)
-need, and how the scripts give it:
+(docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune) need, and how the
+scripts give it:
 - static shapes: training drops the last partial batch (every step has the batch's shape) and the
   graph is compiled for fixed shapes (dynamic=False); evaluation's last, smaller batch is one more
   graph, recorded once.
@@ -51,11 +51,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 CACHE_FOLDER = ".compile-cache"  # in the folder of the run folders
 TORCH_DEFAULT = os.path.abspath(default_cache_dir())  # /tmp/torchinductor_<user>
-# What auto does not compile, by what each process holds of the model: DataParallel's replicas are
-# new copies at every step; FSDP2's shards are of a model sharded because it is large, whose step is
-# not launch-bound, and CUDA graphs around FSDP2's hooks are not proven here.
-NOT_AUTO = {"replicas": "DataParallel's replicas are copied anew at every step",
-            "shards": "a model sharded for its size is not bound by kernel launches"}
 
 
 def check_compile(backend: str, mode: str, grad_accum: int) -> None:
@@ -78,7 +73,9 @@ def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tup
     model, its "replicas" (DataParallel) or its "shards" (FSDP2). Several processes stay eager:
     under DDP, BatchNorm's running statistics make Inductor skip the CUDA graphs and run slower
     (pytorch#139207, open); the GPU plan measures DDP with them (--compile inductor
-    --compile-mode reduce-overhead)."""
+    --compile-mode reduce-overhead). DataParallel's replicas are copied anew at every step; FSDP2
+    shards a model for its size, whose step is not launch-bound, and CUDA graphs around FSDP2's
+    hooks are not proven here."""
     if args.compile == "auto":
         if not cuda or args.deterministic or model_is != "whole" or processes > 1:
             return None, "default"  # --deterministic: eager's kernels, bit for bit on --resume
@@ -93,16 +90,17 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
     backend, mode = chosen(args, torch.cuda.is_available(), model_is, processes)
     if model_is == "replicas" and args.compile not in ("auto", "none"):
-        raise UserError(f"--compile {args.compile}: not offered with DataParallel ("
-                        f"{NOT_AUTO['replicas']}): use train_ddp.py --compile")
+        raise UserError(f"--compile {args.compile}: not offered with DataParallel (DataParallel's "
+                        f"replicas are copied anew at every step): use train_ddp.py --compile")
     if backend is None:  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT) == TORCH_DEFAULT:
         runs = Path(args.output_dir).parent if args.output_dir else Path("runs")
+        cache = (runs / CACHE_FOLDER).absolute()
         try:  # a folder of runs this job cannot write (a read-only mount) leaves torch's, said
-            (runs / CACHE_FOLDER).mkdir(parents=True, exist_ok=True)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((runs / CACHE_FOLDER).absolute())
+            cache.mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         except OSError:
             pass
     sys.excepthook = _said_in_one_line(sys.excepthook, args.compile)
