@@ -428,10 +428,15 @@ def two_processes(script, *args, cwd: Path, env_extra=None, timeout=300) -> subp
     return subprocess.CompletedProcess(job.procs[0].args, 0, job.stdout(0), job.stderr(0) + job.stderr(1))
 
 
+# A log line of torchrun's own (torch.distributed.elastic), each line of a logged traceback included.
+# torch gives its file's path relative to the first sys.path entry it is under: .venv/lib/... where
+# the project's root is on PYTHONPATH (its venv inside it), torch/... otherwise.
+ELASTIC_LOG = r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/"
+
+
 def worker_lines(stderr: str) -> str:
     """What the training processes said, before torchrun's own report of a failed worker."""
-    # torch logs its file's path relative to the working directory: .venv/lib/... from the project's root
-    return re.split(r"[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic", stderr, maxsplit=1)[0]
+    return re.split(ELASTIC_LOG, stderr, maxsplit=1)[0]
 
 
 def bad_ends(output: str) -> list[str]:
