@@ -59,7 +59,6 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
     """What in ``checkpoint`` would run code as it loads ("optimizer_0/.metadata could run code:
     it names posix.system, which is not data"), or a file Accelerate would load without a word
     when it does not load; None: nothing."""
-    checkpoint = Path(checkpoint)
     if old := sorted(checkpoint.glob("custom_checkpoint_*.pkl")):  # an earlier version's
         return f"{old[0].name} {RUNS_CODE}: a pickle that Accelerate loads with weights_only=False"
     rng = checkpoint / f"random_states_{process_index}.pkl"

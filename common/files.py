@@ -1,9 +1,5 @@
 """Atomic files: a file or folder is either the old one or the whole new one, never half-written;
 and the folders named by flags, checked before anything is written in them (check_folder).
-
-Every file the runs write goes through ``atomic_write``: written under a temporary name, flushed to
-the disk (fsync), then renamed into place, so a process killed while writing leaves the previous
-file intact, where writing in place would leave a half-written one that the next run would read.
 """
 
 import errno
@@ -17,8 +13,11 @@ from common.errors import UserError
 
 @contextmanager
 def atomic_write(path: Path):
-    """Open a new file for ``path`` in binary mode; on success it reaches the disk and replaces
-    ``path`` in one rename, on failure it is removed. Readers see the old file or the whole new one.
+    """Open a new file for ``path`` in binary mode; on success it reaches the disk (fsync) and
+    replaces ``path`` in one rename, on failure it is removed. Readers see the old file or the whole
+    new one: a process killed while writing leaves the previous file intact, where writing in place
+    would leave a half-written one that the next run would read. Every file the runs write goes
+    through it.
 
         with atomic_write(output_dir / "config.json") as f:
             f.write(text.encode())
@@ -86,7 +85,6 @@ def check_folder(flag: str, path: str | None) -> None:
 
 def check_file(flag: str, path: Path, then: str) -> None:
     """A file flag naming a folder or nothing: one line saying which, then ``then`` (what to do)."""
-    path = Path(path)
     if path.is_dir():
         weights = sorted(p.name for p in path.glob("*.safetensors"))[:1]
         raise UserError(f"{flag} {path}: is a folder, not a file"

@@ -61,7 +61,7 @@ class _Unbreakable(io.TextIOBase):
     def isatty(self) -> bool:
         return not self.broken and self.stream.isatty()
 
-    def __getattr__(self, name):  # encoding, errors, buffer ...: those of the stream
+    def __getattr__(self, name):  # buffer, name, mode ...: those of the stream
         return getattr(self.stream, name)
 
 

@@ -54,9 +54,9 @@ class StepProfiler:
             return
         skip, count = self.steps
         self.trace = Path(output_dir) / PROFILE_DIR / f"trace_rank{accelerator.process_index}.json"
-        gpu = accelerator.device.type == "cuda"
+        self.gpu = accelerator.device.type == "cuda"
         self.profiler = ProfileKwargs(
-            activities=["cpu", "cuda"] if gpu else ["cpu"], on_trace_ready=self._ready,
+            activities=["cpu", "cuda"] if self.gpu else ["cpu"], on_trace_ready=self._ready,
             # one warm-up step before the recorded ones: the profiler's own start is left out
             schedule_option={"skip_first": max(skip - 1, 0), "wait": 0, "warmup": min(skip, 1),
                              "active": count, "repeat": 1}, with_stack=True).build()
@@ -77,9 +77,9 @@ class StepProfiler:
         averages = profiler.key_averages()
         # A run that ends inside the window records fewer steps (the last one with the run's end)
         self.recorded = sum(e.count for e in averages if e.key.startswith("ProfilerStep"))
-        gpu = self.accelerator.device.type == "cuda"
-        self.table = per_step_table(averages, max(self.recorded, 1), gpu)
-        self.callers = per_caller_table(profiler.events(), max(self.recorded, 1), gpu, self.script)
+        steps = max(self.recorded, 1)
+        self.table = per_step_table(averages, steps, self.gpu)
+        self.callers = per_caller_table(profiler.events(), steps, self.gpu, self.script)
 
     def finish(self) -> None:
         """Stop profiling; print (main process) what was traced, where, and the table."""
@@ -87,11 +87,11 @@ class StepProfiler:
             return
         self.profiler.stop()
         skip, count = self.steps
-        if self.table is None:
-            self.accelerator.print(f"--profile: the run ended before steps {skip + 1}-"
-                                   f"{skip + count} of this launch: nothing traced")
-            return
         traced = f"steps {skip + 1}-{skip + count}"
+        if self.table is None:
+            self.accelerator.print(f"--profile: the run ended before {traced} of this launch: "
+                                   f"nothing traced")
+            return
         if self.recorded < count:  # the table is per step of those recorded, not of those asked
             last = skip + self.recorded - 1
             traced = (f"the run ended inside the window: steps {skip + 1}-{last} and the run's "
@@ -109,8 +109,9 @@ def per_step_table(averages, steps: int, gpu: bool) -> str:
     step on the device that trains: calls and self CPU / GPU time (microseconds) per step, and the
     steps' totals."""
     events = [e for e in averages if not e.key.startswith("ProfilerStep")]
-    events.sort(key=_device_time if gpu else (lambda e: e.self_cpu_time_total), reverse=True)
-    rows = [(e.key, e.count, e.self_cpu_time_total, _device_time(e)) for e in events]
+    events.sort(key=lambda e: e.self_device_time_total if gpu else e.self_cpu_time_total,
+                reverse=True)
+    rows = [(e.key, e.count, e.self_cpu_time_total, e.self_device_time_total) for e in events]
     total = ("all ops", *(sum(row[i] for row in rows) for i in (1, 2, 3)))
     return _table("op", 44, "calls", [*rows[:ROWS], total], steps, gpu)
 
@@ -134,16 +135,12 @@ def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
         row[0] += event.name.startswith("aten::") and not (
             event.cpu_parent and event.cpu_parent.name.startswith("aten::"))  # an op, not a part
         row[1] += event.self_cpu_time_total
-        row[2] += _device_time(event)
+        row[2] += event.self_device_time_total
     if set(rows) <= {None}:
         return None
     order = sorted(rows.items(), key=lambda item: item[1][2 if gpu else 1], reverse=True)
     top = [(caller or "no Python caller", *row) for caller, row in order[:ROWS]]
     return _table("called from the loop", 56, "ops", top, steps, gpu)
-
-
-def _device_time(event) -> float:  # torch >= 2.4 names it self_device_time_total
-    return getattr(event, "self_device_time_total", 0.0) or 0.0
 
 
 def _table(first: str, width: int, count: str, rows, steps: int, gpu: bool) -> str:

@@ -16,8 +16,6 @@ every epoch's metrics.jsonl row, at the global optimizer step.
   MLFLOW_TRACKING_URI is set, which then wins: MLflow's own default would put the store in the
   working directory. The run id is kept in the training state, as wandb's is.
 
-``start_run`` writes a run's config.json, starts its trackers and prints its first line.
-
 A tracker whose package is not installed is one warning line naming the pip command (Accelerate
 alone would drop it with a debug message). A tracking failure, a wandb or MLflow server that does
 not answer in time (START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, prints one warning and
@@ -69,14 +67,10 @@ class RunFolderTensorBoard(TensorBoardTracker):
     the folder of a tracker named "tensorboard" at once (a ValueError otherwise), and the run folder
     is known only once it is locked (common.run.folder), after the Accelerator is made."""
 
-    requires_logging_directory = False  # given to place(), before init_trackers starts it
+    requires_logging_directory = False  # set by start_tracking, before init_trackers starts it
 
     def __init__(self):
         super().__init__(run_name=DEFAULT_PROJECT, logging_dir=None)  # None: no folder yet
-
-    def place(self, project: str, folder: Path) -> None:
-        """Write into ``folder``/``project`` (TensorBoardTracker.start joins them)."""
-        self.run_name, self.logging_dir_param = project, str(folder)
 
 
 def installed_trackers(report_to: list[str]) -> list | None:
@@ -106,6 +100,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     variables only when given, so those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and
     MLFLOW_EXPERIMENT_NAME.
     """
+    if not accelerator.is_main_process:  # Accelerate starts no tracker on the others
+        return
     for missing in _missing(config.get("args", {}).get("report_to", [])):
         accelerator.print(f"warning: --report-to {missing} needs the {missing} package, which is "
                           f"not installed (pip install {missing}); training goes on without it")
@@ -119,8 +115,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     if "mlflow" in names:
         init["mlflow"], new_run["mlflow"] = _mlflow_init(accelerator, output_dir, progress, name)
     for tracker in accelerator.log_with:
-        if isinstance(tracker, RunFolderTensorBoard):
-            tracker.place(project, output_dir / TENSORBOARD_DIR)
+        if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
+            tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
             new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
     requested, failed = accelerator.log_with, []
     for tracker in requested:  # one at a time: a server that fails takes its own tracker only
@@ -165,12 +161,11 @@ def _name(tracker) -> str:
 
 def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> tuple[dict, bool]:
     """wandb.init's arguments: the run id (chosen here the first time); and whether the run is
-    offline because no API key is configured (the main process then sets WANDB_MODE)."""
-    offline = accelerator.is_main_process and not os.environ.get("WANDB_MODE") \
-        and not has_wandb_credentials()
+    offline because no API key is configured (WANDB_MODE is then set)."""
+    offline = not os.environ.get("WANDB_MODE") and not has_wandb_credentials()
     if offline:
         os.environ["WANDB_MODE"] = "offline"  # wandb would otherwise prompt for a login, or fail
-    if accelerator.is_main_process and progress.tracker_run_id is None:
+    if progress.tracker_run_id is None:
         # Chosen here, not by wandb, so that it is in the first checkpoint; wandb's format. Its
         # generate_id is internal from wandb 0.31 (wandb.sdk.lib.runid): not tied to that path.
         progress.tracker_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
@@ -179,7 +174,7 @@ def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> t
             "dir": os.environ.get("WANDB_DIR", str(output_dir))}
     if not os.environ.get("WANDB_INIT_TIMEOUT"):  # the other processes wait for this one meanwhile
         init["settings"] = {"init_timeout": START_TIMEOUT}
-    if accelerator.is_main_process and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+    if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         accelerator.print(f"wandb: starting its run online (a server that does not answer costs "
                           f"{os.environ.get('WANDB_INIT_TIMEOUT', START_TIMEOUT)} s, then training "
                           f"goes on without it)")
@@ -193,7 +188,7 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
     the store in the run folder unless MLFLOW_TRACKING_URI says where."""
     init = {"run_id": progress.mlflow_run_id, "run_name": name}
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if accelerator.is_main_process and uri.startswith(("http://", "https://")):
+    if uri.startswith(("http://", "https://")):
         # A server that did not answer held a job 252 s (MLflow: 120 s a request, 7 retries) while
         # the others waited in a collective: bounded like wandb's start, unless the user set them
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(MLFLOW_REQUEST_TIMEOUT))
@@ -205,7 +200,7 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
     # MLflow's INFO lines on a new store ("Creating initial MLflow database tables...") would come
     # before the start line
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-    if accelerator.is_main_process and not uri:
+    if not uri:
         # MLflow 3's default is sqlite:///mlflow.db in the working directory (full mlflow only).
         os.environ["MLFLOW_TRACKING_URI"] = run_folder_mlflow_uri(output_dir)
         # Where a new experiment keeps its artifacts; an existing one keeps its own place.
@@ -249,7 +244,9 @@ def track(accelerator, values: dict, step: int) -> None:
         accelerator.log(flat, step=step)
     except Exception as error:  # noqa: BLE001 - tracking must never stop training
         names = " and ".join(tracker.name for tracker in accelerator.trackers)
-        _give_up(accelerator, f"{names} failed to log ({first_line(error)})")
+        accelerator.print(f"warning: {names} failed to log ({first_line(error)}); training goes "
+                          f"on without tracking")
+        _drop(accelerator, accelerator.trackers)
 
 
 def record_epoch(accelerator, output_dir: Path, history: list[dict], metrics: dict) -> None:
@@ -272,8 +269,7 @@ class StepLogger:
         self.last_step, self.last_time = None, time.perf_counter()
 
     def log(self, step: int, loss, lr: float) -> None:
-        if not (self.accelerator.is_main_process and self.accelerator.trackers) \
-                or step % self.every:
+        if not self.accelerator.trackers or step % self.every:  # none but on the main process
             return
         now = time.perf_counter()
         values = {"train/loss": loss.item(), "train/lr": lr}
@@ -282,11 +278,6 @@ class StepLogger:
                                          / (now - self.last_time))
         track(self.accelerator, values, step)
         self.last_step, self.last_time = step, now
-
-
-def _give_up(accelerator, why: str) -> None:
-    accelerator.print(f"warning: {why}; training goes on without tracking")
-    _drop(accelerator, accelerator.trackers)
 
 
 def _drop(accelerator, trackers: list) -> None:

@@ -41,13 +41,16 @@ class GpuBusy:
         if self.why_absent is None:
             threading.Thread(target=self._sample, daemon=True, name="gpu-busy").start()
 
+    def _now(self) -> list[float] | None:
+        """Each device's utilisation (%) now, as NVML last sampled it; None if the read fails."""
+        try:
+            return [float(self.read(device)) for device in self.devices]
+        except Exception:  # noqa: BLE001 - a missed sample is no reason to stop; the field says why
+            return None
+
     def _sample(self) -> None:
         while True:
-            try:
-                values = [float(self.read(device)) for device in self.devices]
-            except Exception:  # noqa: BLE001 - a missed sample is no reason to stop
-                values = None
-            if values is not None:
+            if (values := self._now()) is not None:
                 with self.lock:
                     self.sums = [s + v for s, v in zip(self.sums, values)]
                     self.count += 1
@@ -64,10 +67,7 @@ class GpuBusy:
         with self.lock:
             if self.count:
                 return [round(s / self.count, 1) for s in self.sums]
-        try:
-            return [float(self.read(device)) for device in self.devices]
-        except Exception:  # noqa: BLE001 - as a missed sample: the field then says why
-            return None
+        return self._now()
 
 
 def process_gpus(device: torch.device) -> list[torch.device]:
@@ -85,8 +85,7 @@ def utilisation_figures(busy: GpuBusy) -> dict:
     several processes, a collective (gathered): every process must call it."""
     if not busy.devices:  # a CPU: the same on every process of the job
         return {"gpu_util_absent": busy.why_absent}
-    mine = (busy.means() if busy.why_absent is None else None) or [busy.why_absent or
-                                                                   "no NVML sample yet"]
+    mine = [busy.why_absent] if busy.why_absent else busy.means() or ["no NVML sample yet"]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)  # every process, NVML or not: no one waits alone

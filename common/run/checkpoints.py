@@ -1,14 +1,10 @@
 """Checkpoints: when the training state is saved, writing it whole, finding the newest good one.
 
-A checkpoint is one folder ``checkpoints/step_N`` of Accelerate's ``save_state``, written under a
-temporary name and renamed into place once every file is on the disk, so a process killed while
-saving leaves the previous checkpoint intact. Each ends with checkpoint.json, the list of its files
-with their sizes and crc32 digests, which --resume checks before it trusts one (a copy that lost a
-file, a disk that filled, bytes damaged since). A checkpoint that passes the check but does not
-load is skipped for the one before it, on every process alike; one with a file that would run
-code as it loads is refused (common.run.data_only: checkpoints hold data only, so a run folder
-from elsewhere is safe to resume). ``Checkpointer`` decides the cadence: the training loop calls
-its ``save`` after every step.
+A checkpoint is one folder ``checkpoints/step_N`` of Accelerate's ``save_state`` that ends with
+checkpoint.json, the list of its files with their sizes and crc32 digests: ``save_checkpoint``
+writes it whole, ``checkpoint_problem`` checks it, ``resume_from`` loads it (checkpoints hold data
+only, common.data_only, so a run folder from elsewhere is safe to resume), ``Checkpointer`` decides
+when one is written.
 """
 
 import atexit
@@ -18,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+import traceback
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,12 +69,12 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     when it is complete.
 
     Every file in the folder must be listed in its checkpoint.json, and every file listed must be
-    there with the size and the crc32 it was written with: bytes damaged since (a bad disk, a copy
-    gone wrong) would otherwise load without a word, and an inf in a BatchNorm buffer trains on to
-    a finite loss. A folder without that list, or a list without digests, is no checkpoint these
-    scripts wrote: it is refused like a damaged one.
+    there with the size and the crc32 it was written with: a copy that lost a file, a disk that
+    filled, bytes damaged since (a bad disk, a copy gone wrong) would otherwise load without a
+    word, and an inf in a BatchNorm buffer trains on to a finite loss. A folder without that list,
+    or a list without digests, is no checkpoint these scripts wrote: it is refused like a damaged
+    one.
     """
-    checkpoint = Path(checkpoint)
     try:
         manifest = json.loads((checkpoint / MANIFEST).read_text())
         files = {str(name): int(size) for name, size in manifest["files"].items()}
@@ -138,12 +135,12 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
 
     Every process must call this: save_state writes each process's RNG state and waits for all of
     them (under ``if is_main_process`` it would hang). The main process then lists the files with
-    their sizes and digests in checkpoint.json, renames the finished folder into place and removes
-    the oldest checkpoints beyond ``keep``. A write that fails on any process (and metrics.jsonl
-    not written, which write_metrics leaves to be said here) stops every process with one line
-    naming the checkpoint that is intact; the one being written is removed.
+    their sizes and digests in checkpoint.json, renames the finished folder into place once every
+    file is on the disk (a process killed while saving leaves the previous checkpoint intact) and
+    removes the oldest checkpoints beyond ``keep``. A write that fails on any process (and
+    metrics.jsonl not written, which write_metrics leaves to be said here) stops every process
+    with one line naming the checkpoint that is intact; the one being written is removed.
     """
-    output_dir = Path(output_dir)
     folder = output_dir / CHECKPOINT_DIR
     final, partial = folder / f"step_{step:08d}", folder / f".tmp-step_{step:08d}"
     with removed_if_ended(partial):
@@ -241,21 +238,20 @@ def _load_problem(accelerator, checkpoint: Path) -> str | None:
     except Exception as error:  # noqa: BLE001 - whatever Accelerate or torch met
         if "different number of parameter groups" in str(error):  # Optimizer.load_state_dict
             return OTHER_GROUPS
-        return file_problem(_file_in_traceback(error, Path(checkpoint)), error)
+        return file_problem(_file_in_traceback(error, checkpoint), error)
     return None
 
 
 def _file_in_traceback(error: BaseException, checkpoint: Path) -> str | None:
     """The checkpoint file that the innermost frame reading one was reading, if any: Accelerate
     does not say which of its files failed to load."""
-    found, tb = None, error.__traceback__
-    while tb is not None:
-        for value in tb.tb_frame.f_locals.values():
+    found = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        for value in frame.f_locals.values():
             if isinstance(value, (str, os.PathLike)) and str(value).startswith(str(checkpoint)):
                 path = Path(value)
                 if path.parent == checkpoint and path.is_file():
                     found = path.name
-        tb = tb.tb_next
     return found
 
 
@@ -275,7 +271,7 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
         return
     check_resume_config(checkpoint, config, resumable)
     named = config["args"].get("resume") not in (None, "latest") \
-        and Path(config["args"]["resume"]).resolve() == Path(checkpoint).resolve()
+        and Path(config["args"]["resume"]).resolve() == checkpoint.resolve()
     while (problem := agree(accelerator, _load_problem(accelerator, checkpoint))) is not None:
         if problem == OTHER_GROUPS:
             fail_together(accelerator, (
@@ -291,8 +287,8 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
                 f"if you trust where it came from)"))
         decision = [None, None]  # the checkpoint to load instead, or the line that stops the run
         if accelerator.is_main_process:
-            step = int(STEP_DIR.match(Path(checkpoint).name).group(1))
-            older, damaged = latest_good_checkpoint(Path(checkpoint).parent.parent, up_to=step - 1)
+            step = int(STEP_DIR.match(checkpoint.name).group(1))
+            older, damaged = latest_good_checkpoint(checkpoint.parent.parent, up_to=step - 1)
             if named or older is None:
                 decision[1] = (f"--resume: {checkpoint} is damaged ({problem}) and no complete "
                                f"checkpoint comes before it" if older is None else
@@ -301,7 +297,7 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
                                f"--output-dir {older.parent.parent} --resume")
             else:
                 skipped = "".join(f"; {bad.name}: {why}" for bad, why in damaged.items())
-                print(f"warning: damaged checkpoint skipped ({Path(checkpoint).name}: {problem}"
+                print(f"warning: damaged checkpoint skipped ({checkpoint.name}: {problem}"
                       f"{skipped}): resuming from {older}, the newest complete one before it",
                       file=sys.stderr, flush=True)
                 decision[0] = str(older)
@@ -333,15 +329,11 @@ class Checkpointer:
         """Whether optimizer step ``step`` is saved unless the run stops for a non-finite loss."""
         return epoch_end or bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, epoch_end: bool, stop=None) -> Path | None:
-        """Save ``step`` when it is due or ``stop`` (common.parallel.step_guard.Stop) keeps it;
-        the folder, or None when nothing was written."""
-        if stop is not None and not stop.saves:  # a non-finite loss: nothing of this step is kept
-            return None
-        if stop is None and not self.due(step, epoch_end):
-            return None
-        self.last = save_checkpoint(self.accelerator, self.output_dir, step, self.keep)
-        return self.last
+    def save(self, step: int, epoch_end: bool, stop=None) -> None:
+        """Save ``step`` when it is due or ``stop`` (common.parallel.step_guard.Stop) keeps it (a
+        non-finite loss: nothing of this step is kept)."""
+        if stop.saves if stop is not None else self.due(step, epoch_end):
+            self.last = save_checkpoint(self.accelerator, self.output_dir, step, self.keep)
 
 
 class TrainProgress:
@@ -368,11 +360,8 @@ class TrainProgress:
         return complete
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "batch_in_epoch": self.batch_in_epoch,
-                "history": self.history, "tracker_run_id": self.tracker_run_id,
-                "mlflow_run_id": self.mlflow_run_id}
+        return dict(vars(self))  # the six values __init__ sets
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step = state["epoch"], state["step"]
-        self.batch_in_epoch, self.history = state["batch_in_epoch"], list(state["history"])
-        self.tracker_run_id, self.mlflow_run_id = state["tracker_run_id"], state["mlflow_run_id"]
+        for key in self.state_dict():  # each one must be there
+            setattr(self, key, state[key])

@@ -1,11 +1,8 @@
 """The run folder: which one a run writes, and which checkpoint it continues from.
 
-A new run gets a new folder; a used folder needs --resume; a job that torchrun restarted, SLURM
-requeued or Kubernetes started again (TRAINING_JOB_ID) continues from the newest complete checkpoint
-of its folder by itself. The main process decides, holding the folder's lock (common/run/lock.py),
-and the other processes learn its decision.
-What a run has recorded is never replaced by a resume: an older checkpoint of a run that went on
-from it continues only in a new folder, and a run whose checkpoints are gone is not started again.
+A new run gets a new folder. What a run has recorded is never replaced by a resume: a used folder
+needs --resume, an older checkpoint of a run that went on from it continues only in a new folder,
+and a run whose checkpoints are gone is not started again.
 """
 
 import json
@@ -30,10 +27,9 @@ from common.run.checkpoints import (
 from common.run.lock import (
     JOB_ID_VARIABLE,
     LOCK_FILE,
-    RunLock,
+    SET_ASIDE,
     lock_run_folder,
     read_job,
-    started_again_by_scheduler,
     this_job,
 )
 from common.run.weights import read_metadata
@@ -64,9 +60,11 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     and the checkpoints and decides; the other processes learn its decision, so all of them go on,
     or all stop with the same line.
     """
+    # a scheduler that names the job counts no restarts: the folder's JOB_FILE is the record
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
         or (output_dir is not None and (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
-                                        or started_again_by_scheduler(Path(output_dir))))
+                                        or (bool(os.environ.get(JOB_ID_VARIABLE))
+                                            and read_job(output_dir) == this_job())))
     given = Path(resume) if resume not in (None, "latest") else None
     if output_dir is None and given is None \
             and (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
@@ -95,13 +93,14 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     if accelerator.is_main_process:
         lock = None
         try:
-            if resume == "latest" and not restarted and not path.is_dir():
-                check_output_dir(path, resume)  # says so before the lock would create the folder
+            if resume == "latest" and not restarted and not path.is_dir():  # the lock would make it
+                raise UserError(f"--resume: {path} does not exist; pass the --output-dir of the "
+                                f"run to continue")
             lock = lock_run_folder(path)
             # a restart continues by itself only in the folder its own job took: one refused at its
             # start gets the same checks, and the same refusal
             own_restart = restarted and read_job(path) == this_job()
-            decision[0] = _choose_checkpoint(lock, path, given, resume, own_restart)
+            decision[0] = _choose_checkpoint(path, given, resume, own_restart)
             lock.record_job()  # for a restart of this job
         except UserError as error:
             if lock:
@@ -114,7 +113,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     return path, Path(checkpoint) if checkpoint else None
 
 
-def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: str | None,
+def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
                        own_restart: bool) -> str | None:
     """lock_run_and_find_resume's decision, on the main process, holding the lock; ``own_restart``:
     this job started again in the folder it took before."""
@@ -145,7 +144,7 @@ def _choose_checkpoint(lock: "RunLock", path: Path, given: Path | None, resume: 
         # is continued, so this run may have other flags (a smaller --batch-size after running out
         # of memory), and config.json must become this run's. The scripts write config.json when
         # there is none: it is set aside here and put back if this run fails before writing its own.
-        lock.set_aside_config()
+        os.replace(path / "config.json", path / SET_ASIDE)
         print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
               f"one): starting it again from step 0", file=sys.stderr, flush=True)
     return checkpoint
@@ -199,10 +198,7 @@ def _recorded_epochs(path: Path) -> str:
 def check_output_dir(output_dir: Path, resume: str | None) -> None:
     """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a
     run."""
-    if resume:
-        if not output_dir.is_dir():
-            raise UserError(f"--resume: {output_dir} does not exist; pass the --output-dir of the "
-                            f"run to continue")
+    if resume:  # the folder exists: the lock made it
         if latest_checkpoint(output_dir) is None:
             if (output_dir / "model.safetensors").exists():
                 raise UserError(f"--resume: the run in {output_dir} has finished "

@@ -1,10 +1,5 @@
 """The run folder's lock: one job writes a run folder at a time; a dead job's lock is taken over.
 
-``lock_run_folder`` takes it for the main process of a job; the kernel releases it when that process
-ends, however it ends, and the file it writes says who holds it, for the message a second job gets.
-Taking the lock registers an exit hook that releases it and a fork hook that keeps DataLoader
-workers from releasing it.
-
 Not filelock's FileLock (read in filelock 4.3): it chooses flock or its soft lock once, at
 import, by whether fcntl exists, so a filesystem that refuses flock (some NFS and Lustre mounts:
 ENOLCK) fails the lock instead of taking the fallback here, whose takeover of a dead holder's
@@ -13,6 +8,7 @@ file names no holder (host, pid, job) for the line a second job gets.
 """
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -34,8 +30,8 @@ JOB_FILE = ".job"
 # start of one job, different for every other job. accelerate_configs/kubernetes/ sets it to the
 # JobSet's uid through the downward API.
 JOB_ID_VARIABLE = "TRAINING_JOB_ID"
-# config.json of a run started again from step 0, until replaced
-_SET_ASIDE = ".config.json.before-restart"
+# config.json of a run started again from step 0, until replaced (common.run.folder sets it aside)
+SET_ASIDE = ".config.json.before-restart"
 
 def lock_run_folder(folder: Path) -> "RunLock":
     """Take the run folder's lock for this job (its main process), or stop with one line naming the
@@ -52,10 +48,9 @@ def lock_run_folder(folder: Path) -> "RunLock":
     the file is removed, and so are the folders made only for it when the run wrote nothing.
     """
     folder = Path(folder)
-    created = [p for p in [folder, *folder.parents] if not p.exists()]
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": this_job()}
-    lock = RunLock(folder, created)
+    lock = RunLock(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         previous = lock.acquire(me)
@@ -87,12 +82,6 @@ def this_job() -> str | None:
     return None
 
 
-def started_again_by_scheduler(folder: Path) -> bool:
-    """Whether this job, named by its scheduler (JOB_ID_VARIABLE), starts again in ``folder``, which
-    it took before: such a scheduler counts no restarts, so the folder's JOB_FILE is the record."""
-    return bool(os.environ.get(JOB_ID_VARIABLE)) and read_job(folder) == this_job()
-
-
 def read_job(folder: Path) -> str | None:
     """The launched job that took ``folder`` last (``this_job``); None: none, or unreadable."""
     try:
@@ -111,10 +100,10 @@ class RunLock:
     _held: list["RunLock"] = []  # released at exit, forgotten by forked children
     _hooked = False
 
-    def __init__(self, folder: Path, created: list[Path]):
-        # created: innermost first
-        self.folder, self.path, self.created = folder, folder / LOCK_FILE, created
-        self.fd, self.flock = None, True
+    def __init__(self, folder: Path):
+        self.folder, self.path, self.fd = folder, folder / LOCK_FILE, None
+        # the folders that taking the lock makes, innermost first
+        self.created = [p for p in [folder, *folder.parents] if not p.exists()]
 
     def acquire(self, me: dict) -> dict | None:
         """Hold the lock; returns what a dead holder left in the file (None: it was free)."""
@@ -134,19 +123,16 @@ class RunLock:
                     raise
                 return self._acquire_without_flock(me)
             # the holder may have removed the file between our open and flock: lock the new one
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
             os.close(fd)
         previous = _read_holder(self.path)
         self._hold(fd, me)
         return previous
 
     def _acquire_without_flock(self, me: dict) -> dict | None:
-        self.flock, previous = False, None
+        previous = None
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -192,14 +178,9 @@ class RunLock:
         except OSError:
             pass  # then a restart gets the checks of a new start: it stops, it never guesses
 
-    def set_aside_config(self) -> None:
-        """Move config.json aside until this job writes its own; ``release`` puts it back
-        otherwise."""
-        os.replace(self.folder / "config.json", self.folder / _SET_ASIDE)
-
     def put_back_config(self) -> None:
         """The set-aside config.json back in place, unless a new one was written."""
-        aside, config = self.folder / _SET_ASIDE, self.folder / "config.json"
+        aside, config = self.folder / SET_ASIDE, self.folder / "config.json"
         if aside.exists():
             if config.exists():
                 aside.unlink()

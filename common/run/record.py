@@ -1,7 +1,4 @@
-"""The run record: config.json and metrics.jsonl, and the check that a resume is the same run.
-
-config.json holds the flags, the values derived from them and the environment; metrics.jsonl
-one line per epoch; a resumed run must be the same experiment as the run it continues."""
+"""The run record: config.json and metrics.jsonl, and the check that a resume is the same run."""
 
 import json
 import platform

@@ -20,7 +20,7 @@ from common.files import atomic_write, check_file
 from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
 from common.run.record import unwritten_metrics
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+_WRAPPER_PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DataParallel/DDP, torch.compile
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages
 
 
@@ -108,15 +108,9 @@ def non_finite(state: dict[str, torch.Tensor]) -> str | None:
 
 def strip_wrapper_prefixes(state: dict) -> dict:
     """Remove the key prefixes that DataParallel/DDP (``module.``) and torch.compile add."""
-    def clean(key: str) -> str:
-        while key.startswith(_WRAPPER_PREFIXES):
-            key = key.split(".", 1)[1]
-        return key
-    return {clean(k): v for k, v in state.items()}
+    return {_WRAPPER_PREFIXES.sub("", k): v for k, v in state.items()}
 
 
-# What scripts/evaluate.py needs of a run's config.json besides the weights (model.safetensors'
-# metadata)
 EVALUATION = ("classes", "image_size", "normalization", "interpolation", "mixed_precision",
               "eval_split")
 
