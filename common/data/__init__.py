@@ -4,8 +4,7 @@
                 the cache folder (--cache-dir or its default), made when needed
     splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
     images      one image decoded to uint8 RGB and fitted to N x N; the interpolations resizes take
-    arrow       `datasets` tables as splits, and a DatasetDict's train and evaluation split
-    hub         the Hugging Face Hub: download, or its datasets cache when offline
+    hub         `datasets`: a Hub download (its cache when offline), any DatasetDict as splits
     cifar       torchvision's CIFAR pickles, a folder or its .tar.gz
     formats     a local copy (--data-dir): its format detected, then read
     synthetic   CIFAR-shaped data made on the spot (--dataset synthetic)

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from common.data.arrow import ArrowSplit
+from common.data.hub import ArrowSplit
 from common.data.images import BadImage, decode, fit
 from common.data.splits import ImageData, ImageSource, TensorSplit
 from common.errors import UserError

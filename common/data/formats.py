@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torchvision.datasets.folder import make_dataset
 
-from common.data.arrow import from_hf
+from common.data.hub import from_hf
 from common.data.cifar import read_cifar_pickles, read_cifar_tar
 from common.data.options import cache_folder
 from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource

@@ -2,7 +2,7 @@
 
 An undecoded split is read an item at a time: ``encoded(i)`` (what common.data.images.decode
 reads), ``name(i)`` (for errors), ``labels`` (int64) and ``subset(indices)``. FileSplit and
-TensorSplit are here; ArrowSplit, which needs `datasets`, is in common.data.arrow.
+TensorSplit are here; ArrowSplit, which needs `datasets`, is in common.data.hub.
 """
 
 import dataclasses
