@@ -5,8 +5,7 @@
     splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
     images      one image decoded to uint8 RGB and fitted to N x N; the interpolations resizes take
     hub         `datasets`: a Hub download (its cache when offline), any DatasetDict as splits
-    cifar       torchvision's CIFAR pickles, a folder or its .tar.gz
-    formats     a local copy (--data-dir): its format detected, then read
+    formats     a local copy (--data-dir): its format detected, then read (CIFAR's pickles too)
     synthetic   CIFAR-shaped data made on the spot (--dataset synthetic)
     carve       an evaluation split carved from train (--val-fraction)
     sources     a dataset by name or folder, opened, checked and carved: open_source

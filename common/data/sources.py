@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from common.data.carve import carve
-from common.data.formats import open_data_dir
+from common.data.formats import detect_format
 from common.data.hub import download
 from common.data.splits import ImageSource, TensorSplit, checked
 from common.data.synthetic import make_synthetic
@@ -49,7 +49,8 @@ def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic
                            TensorSplit(data.test_images, data.test_labels, "synthetic test"),
                            data.classes, data.source)
     if data_dir is not None:  # the cache folder only for parquet, made then (cache_folder)
-        return open_data_dir(Path(data_dir).expanduser(), cache_dir)
+        root, files, read = detect_format(Path(data_dir).expanduser())
+        return read(cache_dir)
     return download(dataset)
 
 
