@@ -7,8 +7,8 @@
     hub         `datasets`: a Hub download (its cache when offline), any DatasetDict as splits
     formats     a local copy (--data-dir): its format detected, then read (CIFAR's pickles too)
     synthetic   CIFAR-shaped data made on the spot (--dataset synthetic)
-    carve       an evaluation split carved from train (--val-fraction)
-    sources     a dataset by name or folder, opened, checked and carved: open_source
+    sources     a dataset by name or folder, opened, checked and carved (--val-fraction):
+                open_source
     decode      every image of a source decoded once, at one size
     cache       the decoded data cached on disk, one file per source, size and interpolation:
                 load_image_data
