@@ -48,11 +48,10 @@ class FileSplit:
     def __len__(self):
         return len(self.labels)
 
-    def encoded(self, i: int):
-        return os.fsdecode(self.paths[i])
-
     def name(self, i: int) -> str:
         return os.fsdecode(self.paths[i])
+
+    encoded = name  # the path, which common.data.images.decode opens
 
     def subset(self, indices: torch.Tensor) -> "FileSplit":
         return FileSplit(self.paths[indices.numpy()], self.labels[indices])
