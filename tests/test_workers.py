@@ -339,7 +339,7 @@ def test_evaluate_finds_the_carved_split(val_fraction_run):
     assert Counter(path.parent.name for path in held_out) == {f"class{c}": 6 for c in range(4)}
 
     # No --val-fraction and no --seed: the weights say which split the run carved. Through the
-    # device loader, the split is carved from the decoded tensors (common.data.carve.carve_decoded),
+    # device loader, the split is carved from the decoded tensors (common.data.sources.carve_decoded),
     # not from the file list as in training (carve): the same 24 files.
     def evaluate(weights_file, probe_file):
         done = run("evaluate.py", "--weights", weights_file, "--data-dir", root, "--loader", "device", cwd=where,

@@ -4,13 +4,11 @@
                 the cache folder (--cache-dir or its default), made when needed
     splits      the containers: undecoded splits (files, tensors), a source's two, decoded data
     images      one image decoded to uint8 RGB and fitted to N x N; the interpolations resizes take
-    arrow       `datasets` tables as splits, and a DatasetDict's train and evaluation split
-    hub         the Hugging Face Hub: download, or its datasets cache when offline
-    cifar       torchvision's CIFAR pickles, a folder or its .tar.gz
-    formats     a local copy (--data-dir): its format detected, then read
+    hub         `datasets`: a Hub download (its cache when offline), any DatasetDict as splits
+    formats     a local copy (--data-dir): its format detected, then read (CIFAR's pickles too)
     synthetic   CIFAR-shaped data made on the spot (--dataset synthetic)
-    carve       an evaluation split carved from train (--val-fraction)
-    sources     a dataset by name or folder, opened, checked and carved: open_source
+    sources     a dataset by name or folder, opened, checked and carved (--val-fraction):
+                open_source
     decode      every image of a source decoded once, at one size
     cache       the decoded data cached on disk, one file per source, size and interpolation:
                 load_image_data

@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from common.data.carve import carve_decoded
 from common.data.decode import decode_source
 from common.data.formats import detect_format
 from common.data.hub import hub_repo
 from common.data.options import cache_folder, default_cache_dir
-from common.data.sources import check_dataset_name, open_unchecked
+from common.data.sources import carve_decoded, check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
 from common.errors import UserError, first_line
 from common.failures import why_not_written

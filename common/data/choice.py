@@ -7,10 +7,10 @@ or --loader-budget. The main process decides, and every process takes its answer
 
 import psutil
 import torch
-from accelerate.utils import broadcast_object_list
 
 from common.data.device import DEVICE_DATA_SHARE
 from common.errors import UserError
+from common.failures import from_main
 
 # Decoding keeps the whole dataset in the host memory of the process that decodes it (and in the
 # page cache after): at most this share of the memory available when the run starts.
@@ -21,15 +21,13 @@ def choose_loader(accelerator, wanted: str, images: int, size: int,
                   budget_gb: float | None) -> tuple[str, str]:
     """(loader, why): ``wanted`` (device, workers or auto) checked against the main process's
     budget, so that every process takes the same path even when their free memory differs."""
-    if accelerator.num_processes == 1:
-        return _choose(wanted, images, size, accelerator.device, budget_gb)
-    try:
-        choice = None
-        if accelerator.is_main_process:
+    choice = None
+    if accelerator.num_processes == 1 or accelerator.is_main_process:
+        try:
             choice = _choose(wanted, images, size, accelerator.device, budget_gb)
-    except UserError as error:
-        choice = error.message
-    choice = broadcast_object_list([choice])[0]
+        except UserError as error:
+            choice = error.message
+    choice = from_main(accelerator, choice)
     if isinstance(choice, str):  # the main process's refusal, said by every process
         raise UserError(choice)
     return tuple(choice)

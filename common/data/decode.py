@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from common.data.arrow import ArrowSplit
+from common.data.hub import ArrowSplit
 from common.data.images import BadImage, decode, fit
 from common.data.splits import ImageData, ImageSource, TensorSplit
 from common.errors import UserError
@@ -88,9 +88,9 @@ def decode_split(split, size: int, skip_bad: bool = False, interpolation: str = 
 
 def fit_all(images: torch.Tensor, size: int, interpolation: str = "bilinear",
             chunk: int = 1024) -> torch.Tensor:
-    """A tensor of images, each ``fit`` to size x size, ``chunk`` images at a time."""
+    """A tensor of images, each ``fit`` to size x size, ``chunk`` images at a time (a batch resizes
+    as its images one by one do)."""
     if images.shape[-2:] == (size, size):
         return images
-    return torch.cat([torch.stack([fit(image, size, interpolation)
-                                   for image in images[start:start + chunk]])
-                      for start in range(0, len(images), chunk)])
+    return torch.cat([fit(images[start:start + chunk], size, interpolation)
+                      for start in range(0, len(images), chunk)]).contiguous()

@@ -15,7 +15,6 @@ AUTO_AUGMENT = ("none", "randaugment", "trivialaugment")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
-    """Where the images come from: the same flags for training and for scripts/evaluate.py."""
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", default="cifar10",
                       help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image "

@@ -3,24 +3,28 @@
 Any of:
   - a snapshot of a Hub repository (parquet files named train-*.parquet / test-*.parquet),
   - a ``DatasetDict.save_to_disk`` folder (has dataset_dict.json),
-  - torchvision's ``cifar-10-batches-py`` / ``cifar-100-python`` folder, or its .tar.gz archive
-    (common.data.cifar),
+  - torchvision's ``cifar-10-batches-py`` / ``cifar-100-python`` folder, or its .tar.gz archive:
+    read straight into uint8 (N, 3, 32, 32) tensors (TensorSplit), no image to decode; a batch
+    that names more than numpy's arrays is refused before it can run code (common.data_only),
   - an image folder in the ImageNet layout: train/<class>/* and one of test/, val/, validation/ or
     valid/ with the same class folders; JPEG, PNG, WebP, GIF, BMP or TIFF of any size and mode.
 """
 
+import io
 import os
 import re
 import shlex
+import tarfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torchvision.datasets.folder import make_dataset
 
-from common.data.arrow import from_hf
-from common.data.cifar import read_cifar_pickles, read_cifar_tar
+from common.data.hub import from_hf
 from common.data.options import cache_folder
-from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource
+from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource, TensorSplit
+from common.data_only import DataUnpickler, NotData
 from common.errors import UserError, first_line
 
 DATA_DIR_FORMATS = (
@@ -29,19 +33,17 @@ DATA_DIR_FORMATS = (
     "or an image folder train/<class>/* with test/<class>/* (or val/, validation/)"
 )
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-
-
-def open_data_dir(data_dir: Path, cache_dir: str | None) -> ImageSource:
-    """The splits of the copy in ``data_dir``; parquet is converted to Arrow under ``cache_dir``
-    (--cache-dir; None: the default, common.data.options.cache_folder)."""
-    root, files, reader = detect_format(data_dir)
-    return reader(cache_dir)
+# All a CIFAR batch names besides dicts, lists, strings and numbers: numpy arrays (numpy.core is
+# numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
+ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
 
 def detect_format(data_dir: Path):
     """Return (root, a function listing the files the data is read from, a function of the cache
-    folder that opens them). Listing is for the decoded cache's key only, and costs a stat per
-    file."""
+    folder that opens them: parquet is converted to Arrow under --cache-dir, None: the default,
+    common.data.options.cache_folder). Listing is for the decoded cache's key only, and costs a
+    stat per file."""
     if not data_dir.exists():
         raise UserError(f"--data-dir {data_dir} does not exist; pass a folder holding "
                         f"{DATA_DIR_FORMATS}")
@@ -55,12 +57,10 @@ def detect_format(data_dir: Path):
     for folder in (data_dir, data_dir / "cifar-10-batches-py", data_dir / "cifar-100-python"):
         if (folder / "batches.meta").is_file() or ((folder / "meta").is_file()
                                                    and (folder / "test").is_file()):
-            return folder, lambda folder=folder: _all_files(folder), \
-                lambda cache, folder=folder: read_cifar_pickles(folder)
+            return folder, lambda: _all_files(folder), lambda cache: read_cifar_pickles(folder)
     for archive in (data_dir / "cifar-10-python.tar.gz", data_dir / "cifar-100-python.tar.gz"):
         if archive.is_file():
-            return data_dir, lambda archive=archive: [archive], \
-                lambda cache, archive=archive: read_cifar_tar(archive)
+            return detect_format(archive)
     parquet = sorted(data_dir.rglob("*.parquet"))
     if parquet:
         files = parquet + [readme for readme in [data_dir / "README.md"] if readme.is_file()]
@@ -220,3 +220,66 @@ def _refuse_one_class(root: Path, only: str, evaluated: str | None) -> None:
                         f"{move}{also}")
     raise UserError(f"image folder {root} has one class folder, train/{only}/: a classifier needs "
                     f"2 or more classes; put each class's images in its own train/<class>/")
+
+
+def read_cifar_pickles(folder: Path) -> ImageSource:
+    """torchvision's cifar-10-batches-py or cifar-100-python folder."""
+    def read(name):
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"{path} is missing; download the complete CIFAR archive again")
+        return _unpickle(path.read_bytes(), str(path))
+    return _from_cifar_pickles(read, str(folder), cifar100=(folder / "meta").is_file())
+
+
+def read_cifar_tar(archive: Path) -> ImageSource:
+    """cifar-10-python.tar.gz or cifar-100-python.tar.gz, read in one pass without extracting."""
+    members = {}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:
+                if member.isfile():
+                    members[member.name.split("/")[-1]] = tar.extractfile(member).read()
+    except (OSError, EOFError, tarfile.TarError) as e:  # zlib and gzip errors are OSError
+        raise UserError(f"cannot read archive {archive} ({first_line(e)}); download it "
+                        f"again") from None
+
+    def read(name):
+        if name not in members:
+            raise UserError(f"archive {archive} has no member {name}; download the complete CIFAR "
+                            f"archive again")
+        return _unpickle(members[name], f"{archive}:{name}")
+    return _from_cifar_pickles(read, str(archive), cifar100="meta" in members)
+
+
+def _unpickle(blob: bytes, name: str) -> dict:
+    try:  # the files were written by Python 2
+        return DataUnpickler(io.BytesIO(blob), ARRAYS, encoding="latin1").load()
+    except Exception as e:  # NotData: "it names posix.system, which is not data"
+        why = str(e) if isinstance(e, NotData) else first_line(e)
+        raise UserError(f"cannot unpickle {name} ({why}); download the CIFAR archive again"
+                        ) from None
+
+
+def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageSource:
+    if cifar100:
+        train_files, test_files = ["train"], ["test"]
+        meta, names_key, labels_key = "meta", "fine_label_names", "fine_labels"
+    else:
+        train_files, test_files = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
+        meta, names_key, labels_key = "batches.meta", "label_names", "labels"
+
+    def split(files, name):
+        batches = [read(file) for file in files]
+        data = np.concatenate([b["data"] for b in batches])  # (N, 3072): R, G, B planes of 32x32
+        labels = np.concatenate([np.asarray(b[labels_key]) for b in batches])
+        return TensorSplit(torch.from_numpy(data.reshape(-1, 3, 32, 32)),
+                           torch.from_numpy(labels.astype(np.int64)), f"{source} {name}")
+
+    try:
+        classes = [str(name) for name in read(meta)[names_key]]
+        train, test = split(train_files, "train"), split(test_files, "test")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{source} is not in CIFAR's pickle format ({first_line(e)}); "
+                        f"download the CIFAR archive again") from None
+    return ImageSource(train, test, classes, f"CIFAR pickles from {source}; evaluated on test")

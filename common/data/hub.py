@@ -1,16 +1,110 @@
-"""The Hugging Face Hub: a dataset downloaded, or read from the `datasets` cache when offline.
+"""Hugging Face `datasets`: a Hub dataset downloaded (or read from its cache offline), as splits.
 
-An unreachable Hub is found in seconds, not after a minute of retries, and then only the
-`datasets` cache is read; a failure is one line that says what to pass instead.
+The Hub, parquet files and save_to_disk folders (common.data.formats) all arrive as a
+`datasets.DatasetDict`; ``from_hf`` finds its image and label columns and the split to evaluate
+on, and leaves every image undecoded in the memory-mapped Arrow files (ArrowSplit). An
+unreachable Hub is found in seconds, not after a minute of retries, and then only the `datasets`
+cache is read; a failure is one line that says what to pass instead.
 """
 
-from contextlib import contextmanager
+import numpy as np
+import torch
 
-from common.data.arrow import from_hf
-from common.data.splits import ImageSource
+from common.data.splits import EVAL_SPLITS, ImageSource
 from common.errors import UserError, first_line
 
 HUB_REPOS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
+
+
+class ArrowSplit:
+    """A split of a `datasets.Dataset`, memory-mapped Arrow: the image column holds each file's
+    encoded bytes (or its path), read a row at a time, never decoded by `datasets`."""
+
+    def __init__(self, table, column: str, labels: torch.Tensor, where: str):
+        import datasets
+
+        self.table = table.select_columns([column]).cast_column(
+            column, datasets.Image(decode=False))
+        self.column, self.labels, self.where = column, labels, where
+
+    def __len__(self):
+        return len(self.labels)
+
+    def encoded(self, i: int):
+        cell = self.table[i][self.column]
+        return cell["bytes"] or cell["path"]
+
+    def name(self, i: int) -> str:
+        return f"{self.where} row {i}"
+
+    def subset(self, indices: torch.Tensor) -> "ArrowSplit":
+        part = ArrowSplit.__new__(ArrowSplit)
+        part.table, part.column = self.table.select(indices.tolist()), self.column
+        part.labels, part.where = self.labels[indices], f"{self.where} (subset)"
+        return part
+
+    def all_encoded(self, chunk: int = 1024):
+        """Every row's bytes in order, read a chunk at a time (a row at a time costs ~50 us
+        each)."""
+        arrow = self.table.with_format("arrow")
+        for start in range(0, len(self), chunk):
+            for cell in arrow[start:start + chunk][self.column].to_pylist():
+                yield cell["bytes"] or cell["path"]
+
+
+def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> ImageSource:
+    """The train split and the evaluation split of a `datasets.DatasetDict`, undecoded.
+
+    The image column is the first Image feature (or, in parquet written without `datasets`
+    metadata, a {bytes, path} struct); the label column is label, labels, fine_label or the first
+    ClassLabel of the train split. The evaluation split is the first of EVAL_SPLITS whose labels
+    are set (the Hub marks an unlabelled test split with -1).
+    """
+    import datasets
+
+    if "train" not in splits:
+        raise UserError(f"{source} has splits {sorted(splits)} but no train split; provide one "
+                        f"named train")
+    features = splits["train"].features
+    image_col = next((name for name, f in features.items() if isinstance(f, datasets.Image)), None)
+    image_col = image_col or next(
+        (name for name, f in features.items() if isinstance(f, dict) and "bytes" in f), None)
+    class_cols = [name for name, f in features.items() if isinstance(f, datasets.ClassLabel)]
+    label_col = next((c for c in ("label", "labels", "fine_label", *class_cols) if c in features),
+                     None)
+    if image_col is None or label_col is None:
+        raise UserError(f"{source} has columns {', '.join(features)}, which lack an image column "
+                        f"or a label column (label, labels, fine_label or a ClassLabel); provide "
+                        f"an Image column and a label column")
+
+    def labels(split):
+        if label_col not in splits[split].column_names:
+            return None
+        values = splits[split].with_format("arrow")[label_col]
+        return torch.from_numpy(
+            np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64).copy())
+    evaluated = None
+    for name in EVAL_SPLITS:
+        found = labels(name) if name in splits else None
+        if found is not None and len(found) and (found >= 0).all():
+            evaluated = name, found
+            break
+    train_labels = labels("train")
+    if isinstance(features[label_col], datasets.ClassLabel):
+        classes = list(features[label_col].names)
+    else:
+        top = int(max(train_labels.max(), evaluated[1].max() if evaluated else 0))
+        classes = fallback_names or [str(i) for i in range(top + 1)]
+    where = source.split(" from ")[0]
+    train = ArrowSplit(splits["train"], image_col, train_labels, f"{where}, train")
+    if evaluated is None:  # the error, unless --val-fraction carves one, is splits.checked's
+        return ImageSource(train, None, classes,
+                           f"{source} (splits: {', '.join(sorted(splits))}, "
+                           f"none of {', '.join(EVAL_SPLITS)} labelled)")
+    return ImageSource(train,
+                       ArrowSplit(splits[evaluated[0]], image_col, evaluated[1],
+                                  f"{where}, {evaluated[0]}"),
+                       classes, f"{source}; evaluated on {evaluated[0]}")
 
 
 def hub_repo(dataset: str) -> str:
@@ -20,11 +114,14 @@ def hub_repo(dataset: str) -> str:
 
 def download(dataset: str) -> ImageSource:
     import datasets  # imported here: it takes a second, and only some sources need it
+    from datasets.utils.py_utils import temporary_assignment
 
     repo = hub_repo(dataset)
     offline = datasets.config.HF_HUB_OFFLINE or not _hub_reachable(datasets.config.HF_ENDPOINT)
     try:
-        with _datasets_offline(offline):
+        # `datasets` reads HF_HUB_OFFLINE once, when imported, and the scripts import it before we
+        # know the Hub is unreachable; its config flag is what its loaders check.
+        with temporary_assignment(datasets.config, "HF_HUB_OFFLINE", offline):
             splits = datasets.load_dataset(repo)
     except Exception as e:  # offline, the datasets cache is all there is, failing in several ways
         if not (offline or isinstance(e, ConnectionError)):
@@ -37,10 +134,8 @@ def download(dataset: str) -> ImageSource:
             raise UserError(f"cannot load --dataset {dataset} from the Hugging Face Hub "
                             f"({first_line(e)}); load it once with datasets.load_dataset and "
                             f"save_to_disk, then pass --data-dir DIR") from None
-        if datasets.config.HF_HUB_OFFLINE:
-            why = "HF_HUB_OFFLINE is set"
-        else:
-            why = f"{datasets.config.HF_ENDPOINT} is unreachable"
+        why = ("HF_HUB_OFFLINE is set" if datasets.config.HF_HUB_OFFLINE
+               else f"{datasets.config.HF_ENDPOINT} is unreachable")
         detail = "" if isinstance(e, ConnectionError) else f" ({first_line(e)})"
         raise UserError(f"cannot load --dataset {dataset}: {why} and the Hugging Face cache holds "
                         f"no usable copy of {repo}{detail}; pass --data-dir DIR with a local copy "
@@ -60,20 +155,3 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
         return True
     except Exception:
         return False
-
-
-@contextmanager
-def _datasets_offline(offline: bool):
-    """Make `datasets` read only its cache, as HF_HUB_OFFLINE=1 does.
-
-    The variable is read once, when `datasets` is imported, and the scripts import it before we
-    know the Hub is unreachable; its config flag is what its loaders check.
-    """
-    import datasets
-
-    saved = datasets.config.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = saved or offline
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE = saved

@@ -6,16 +6,20 @@
 
 Each split stays undecoded: image files, rows of a memory-mapped Arrow table, or rows of a
 tensor. The evaluation split is ``test`` when it has labels, else ``validation`` (or val,
-valid); with ``val_fraction`` it is carved from train instead, seeded and stratified by class.
+valid); with ``val_fraction`` it is carved from train instead, seeded and stratified by class,
+the same images on both input paths: ``carve`` splits an undecoded source (workers),
+``carve_decoded`` the decoded tensors (device).
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
-from common.data.carve import carve
-from common.data.formats import open_data_dir
+import torch
+
+from common.data.formats import detect_format
 from common.data.hub import download
-from common.data.splits import ImageSource, TensorSplit, checked
+from common.data.splits import ImageData, ImageSource, TensorSplit, checked
 from common.data.synthetic import make_synthetic
 from common.errors import UserError
 
@@ -39,7 +43,6 @@ def open_source(dataset: str = "cifar10", data_dir: str | None = None,
 def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic_test_size,
                    synthetic_classes, seed) -> ImageSource:
     """``open_source``'s splits as the source has them: an evaluation split may be missing."""
-    check_dataset_name(dataset)
     if dataset == "synthetic":
         if data_dir is not None:
             raise UserError(f"--dataset synthetic takes no --data-dir (got {data_dir}); drop one "
@@ -49,7 +52,8 @@ def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic
                            TensorSplit(data.test_images, data.test_labels, "synthetic test"),
                            data.classes, data.source)
     if data_dir is not None:  # the cache folder only for parquet, made then (cache_folder)
-        return open_data_dir(Path(data_dir).expanduser(), cache_dir)
+        root, files, read = detect_format(Path(data_dir).expanduser())
+        return read(cache_dir)
     return download(dataset)
 
 
@@ -59,3 +63,54 @@ def check_dataset_name(dataset: str) -> None:
                         f"Hugging Face Hub dataset id (owner/name); pass one of those, or "
                         f"--data-dir DIR for a local copy")
 
+
+def stratified_split(labels: torch.Tensor, fraction: float,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, evaluation indices): ``fraction`` of each class, at least one image of every
+    class with two or more, drawn with ``seed``; both sorted."""
+    gen = torch.Generator().manual_seed(seed)
+    held = []
+    for label in labels.unique().tolist():
+        members = (labels == label).nonzero().flatten()
+        take = min(len(members) - 1, max(1, round(fraction * len(members))))
+        held.append(members[torch.randperm(len(members), generator=gen)[:take]])
+    evaluation = torch.cat(held).sort().values
+    keep = torch.ones(len(labels), dtype=torch.bool)
+    keep[evaluation] = False
+    return keep.nonzero().flatten(), evaluation
+
+
+def _carved(source: str, fraction: float, seed: int) -> str:
+    where = source.split("; evaluated on")[0]
+    return f"{where}; evaluated on {fraction:g} of train (--val-fraction, seed {seed})"
+
+
+def carve(source: ImageSource, fraction: float, seed: int) -> ImageSource:
+    train, evaluation = stratified_split(source.train.labels, fraction, seed)
+    return checked(dataclasses.replace(
+        source, train=source.train.subset(train), test=source.train.subset(evaluation),
+        source=_carved(source.source, fraction, seed)))
+
+
+def carve_decoded(data: ImageData, fraction: float | None, seed: int) -> ImageData:
+    if not fraction:
+        return data
+    train, evaluation = carved_positions(data, fraction, seed)
+    return ImageData(data.train_images[train], data.train_labels[train],
+                     data.train_images[evaluation], data.train_labels[evaluation], data.classes,
+                     _carved(data.source, fraction, seed))
+
+
+def carved_positions(data: ImageData, fraction: float,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """stratified_split over the training split as its source lists it, as ``carve`` draws it for
+    the workers path, then as positions among the images decoded: an image skipped as unreadable
+    is missing from its side of the split, and the rest are the same images on both paths."""
+    index, skipped_labels = data.skipped.T
+    kept = torch.ones(len(data.train_labels) + len(index), dtype=torch.bool)
+    kept[index] = False
+    labels = torch.empty(len(kept), dtype=torch.int64)
+    labels[kept], labels[index] = data.train_labels, skipped_labels
+    position = kept.cumsum(0) - 1  # of each source image among the decoded ones
+    return tuple(position[chosen[kept[chosen]]]
+                 for chosen in stratified_split(labels, fraction, seed))

@@ -2,7 +2,7 @@
 
 An undecoded split is read an item at a time: ``encoded(i)`` (what common.data.images.decode
 reads), ``name(i)`` (for errors), ``labels`` (int64) and ``subset(indices)``. FileSplit and
-TensorSplit are here; ArrowSplit, which needs `datasets`, is in common.data.arrow.
+TensorSplit are here; ArrowSplit, which needs `datasets`, is in common.data.hub.
 """
 
 import dataclasses
@@ -48,11 +48,10 @@ class FileSplit:
     def __len__(self):
         return len(self.labels)
 
-    def encoded(self, i: int):
-        return os.fsdecode(self.paths[i])
-
     def name(self, i: int) -> str:
         return os.fsdecode(self.paths[i])
+
+    encoded = name  # the path, which common.data.images.decode opens
 
     def subset(self, indices: torch.Tensor) -> "FileSplit":
         return FileSplit(self.paths[indices.numpy()], self.labels[indices])
