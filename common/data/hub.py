@@ -7,6 +7,8 @@ unreachable Hub is found in seconds, not after a minute of retries, and then onl
 cache is read; a failure is one line that says what to pass instead.
 """
 
+from unittest.mock import patch
+
 import numpy as np
 import torch
 
@@ -114,14 +116,13 @@ def hub_repo(dataset: str) -> str:
 
 def download(dataset: str) -> ImageSource:
     import datasets  # imported here: it takes a second, and only some sources need it
-    from datasets.utils.py_utils import temporary_assignment
 
     repo = hub_repo(dataset)
     offline = datasets.config.HF_HUB_OFFLINE or not _hub_reachable(datasets.config.HF_ENDPOINT)
     try:
         # `datasets` reads HF_HUB_OFFLINE once, when imported, and the scripts import it before we
         # know the Hub is unreachable; its config flag is what its loaders check.
-        with temporary_assignment(datasets.config, "HF_HUB_OFFLINE", offline):
+        with patch.object(datasets.config, "HF_HUB_OFFLINE", offline):
             splits = datasets.load_dataset(repo)
     except Exception as e:  # offline, the datasets cache is all there is, failing in several ways
         if not (offline or isinstance(e, ConnectionError)):
