@@ -56,13 +56,12 @@ class StepGuard:
     after a checkpoint.
 
     ``check`` sums, over processes, the step's loss (non-finite if any part is) and the number of
-    processes that got a stop signal (``install_signal_handlers``: SIGTERM or SIGUSR1 set a flag and
-    nothing else), so every process gets the same answer at the same step and none is left waiting
-    in the next all-reduce. On a GPU it reads the two numbers one step later, when the device has
-    long computed them, so the host keeps queueing work ahead of the device; on a CPU they are there
-    at once. A bad step has then changed the weights in memory, but nothing of it is kept: with
-    ``now`` (a step to be saved, an epoch's end) ``check`` reads the step at once, so no
-    checkpoint, model.safetensors or metrics line ever holds it.
+    processes that got a stop signal (``install_signal_handlers``), so every process gets the same
+    answer at the same step and none is left waiting in the next all-reduce. On a GPU it reads the
+    two numbers one step later, when the device has long computed them, so the host keeps queueing
+    work ahead of the device; on a CPU they are there at once. A bad step has then changed the
+    weights in memory, but nothing of it is kept: with ``now`` (a step to be saved, an epoch's end)
+    ``check`` reads the step at once, so no checkpoint, model.safetensors or metrics line holds it.
     """
 
     def __init__(self, accelerator, output_dir: Path):
