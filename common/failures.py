@@ -39,19 +39,14 @@ def why_not_written(error: BaseException, path: Path) -> str:
     the partial file still takes the space it took."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
-    try:
-        free = shutil.disk_usage(_existing(Path(path))).free
-    except OSError:
+    try:  # of the nearest folder that exists: a failed write may leave none of its own
+        existing = next(folder for folder in (Path(path), *Path(path).parents) if folder.exists())
+        free = shutil.disk_usage(existing).free
+    except (OSError, StopIteration):
         free = None
     if "No space left" in str(error) or free is not None and free < _FULL:
         return "no space left on the device"
     return first_line(error)
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def agree(accelerator, mine: str | None) -> str | None:
@@ -272,7 +267,7 @@ def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
         end_now(accelerator, through_the_store=lost is None)
 
 
-def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> None:
+def end_now(accelerator, through_the_store: bool = True) -> None:
     """End this process as failed, now, once: its trackers closed as failed (for TRACKERS_S at
     most), its progress bars cleared, its output flushed, its exit handlers run (the run folder's
     lock, the loader workers, wandb's service: EXIT_S at most), then os._exit, not Python's
@@ -285,7 +280,7 @@ def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> 
     ended = 0
     with suppress(Exception):
         ended = several and _bounded(STORE_S, _store().add, _key(ENDED), 1)
-    for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator, exit_code)),
+    for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator,)),
                                 (EXIT_S, _exit_handlers, ())):
         with suppress(Exception):
             _bounded(seconds, call, *args)
@@ -295,7 +290,7 @@ def end_now(accelerator, exit_code: int = 1, through_the_store: bool = True) -> 
                 and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
             ended = _bounded(STORE_S, _store().add, _key(ENDED), 0)
-    os._exit(exit_code)
+    os._exit(1)
 
 
 def _exit_handlers() -> None:
@@ -337,7 +332,7 @@ def ignore_the_launchers_stop() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def end_tracking_failed(accelerator, exit_code: int = 1) -> None:
+def end_tracking_failed(accelerator) -> None:
     """Finish the job's trackers as failed, from any thread: wandb records a run that nothing
     finished as exit code 0, that is, as a success, and Accelerate's MLflow finish() as FINISHED;
     TensorBoard's finish() flushes its events. Only the main process has trackers; a no-op before
@@ -346,7 +341,7 @@ def end_tracking_failed(accelerator, exit_code: int = 1) -> None:
         with suppress(Exception):  # already failing; tracking must not add to it
             run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run
             if hasattr(run, "finish"):
-                run.finish(exit_code=exit_code)
+                run.finish(exit_code=1)
             elif getattr(tracker, "name", None) == "mlflow":  # imported as the run started
                 # MLflow's active run is the thread's own: its client ends it from end_now's thread,
                 # end_run in the thread that started it (else FINISHED at exit)

@@ -80,8 +80,7 @@ CHOICES = [
 
 @pytest.mark.parametrize("given, chosen", CHOICES, ids=[str(given) for given, _ in CHOICES])
 def test_the_backend_is_nccl_where_it_shares_a_gpu_else_gloo(given, chosen):
-    sharing = launch.plan_gpu_sharing(*given)
-    assert (sharing.per_gpu, sharing.backend) == chosen
+    assert launch.plan_gpu_sharing(*given) == chosen
 
 
 @pytest.mark.parametrize("given, message", [
@@ -113,10 +112,10 @@ def test_fsdp2_shares_a_gpu_over_nccl_only(monkeypatch):
         with pytest.raises(UserError) as error:
             launch.plan_gpu_sharing(*given, sharded=True)
         assert error.value.message == FSDP_OVER_GLOO + instead
-    assert launch.plan_gpu_sharing("auto", 2, 1, NEW, sharded=True) == launch.GpuSharing(2, "nccl")
-    assert launch.plan_gpu_sharing("nccl", 8, 4, NEW, sharded=True) == launch.GpuSharing(2, "nccl")
-    assert launch.plan_gpu_sharing("auto", 2, 0, None, sharded=True) == launch.GpuSharing(0, "gloo")
-    assert launch.plan_gpu_sharing(None, 4, 4, OLD, sharded=True) == launch.GpuSharing(1)
+    assert launch.plan_gpu_sharing("auto", 2, 1, NEW, sharded=True) == (2, "nccl")
+    assert launch.plan_gpu_sharing("nccl", 8, 4, NEW, sharded=True) == (2, "nccl")
+    assert launch.plan_gpu_sharing("auto", 2, 0, None, sharded=True) == (0, "gloo")
+    assert launch.plan_gpu_sharing(None, 4, 4, OLD, sharded=True) == (1, None)
     on_node(monkeypatch, 2, 1, nccl=OLD)  # what train_fsdp.py calls: the refusal, as the other launch refusals
     with pytest.raises(UserError) as error:
         launch.set_gpu_sharing("auto", sharded=True)

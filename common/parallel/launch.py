@@ -9,7 +9,6 @@ launch for more GPUs than this machine has (its code paths, checkpoints and resu
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from accelerate.state import PartialState
@@ -52,19 +51,12 @@ def nccl_version() -> tuple[int, ...] | None:
         return None
 
 
-@dataclass(frozen=True)
-class GpuSharing:
-    """How this node's processes sit on its GPUs: ``per_gpu`` processes on the busiest one (0: no
-    GPU, 1: a GPU each) and the process group's ``backend`` to ask Accelerate for (None: its
-    default, NCCL on GPUs, gloo on CPUs)."""
-    per_gpu: int
-    backend: str | None = None
-
-
 def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
-                     nccl: tuple[int, ...] | None, sharded: bool = False) -> GpuSharing:
-    """``processes`` on a node of ``gpus`` GPUs: one per GPU, or with --share-gpus ``share``
-    (auto, nccl, gloo) several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
+                     nccl: tuple[int, ...] | None, sharded: bool = False) -> tuple[int, str | None]:
+    """How ``processes`` sit on a node of ``gpus`` GPUs: the processes on the busiest GPU (0: no
+    GPU, 1: a GPU each) and the process group's backend to ask Accelerate for (None: its default,
+    NCCL on GPUs, gloo on CPUs). One per GPU, or with --share-gpus ``share`` (auto, nccl, gloo)
+    several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
     Without --share-gpus more processes than GPUs is refused: it is a launch meant for another
     machine (8gpu.yaml on 4 GPUs), where NCCL would fail at its first collective ("Duplicate GPU
     detected") or, from 2.30, share the GPUs without a word. FSDP2 (``sharded``) shares a GPU over
@@ -74,10 +66,10 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
         if share == "nccl":
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
                             "use --share-gpus gloo, or drop the flag")
-        return GpuSharing(0, "gloo" if share and processes > 1 else None)  # 1: no group at all
+        return 0, "gloo" if share and processes > 1 else None  # 1 process: no group at all
     per_gpu = math.ceil(processes / gpus)
     if per_gpu == 1:
-        return GpuSharing(1)
+        return 1, None
     if share is None:
         raise UserError(f"the launch starts {processes} processes on this node but it has {gpus} "
                         f"GPUs: pass --num_processes {gpus} (per node) to accelerate launch, or "
@@ -95,7 +87,7 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
     if share == "nccl" and not nccl_chosen:
         raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
                         f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
-    return GpuSharing(per_gpu, "nccl" if nccl_chosen else "gloo")
+    return per_gpu, "nccl" if nccl_chosen else "gloo"
 
 
 def nccl_shares_gpus(nccl: tuple[int, ...] | None) -> bool:
@@ -106,19 +98,6 @@ def nccl_shares_gpus(nccl: tuple[int, ...] | None) -> bool:
 def _version(nccl: tuple[int, ...] | None) -> str:
     """NCCL's version as people write it, 2.30.7; "none" without NCCL."""
     return ".".join(map(str, nccl)) if nccl else "none"
-
-
-def sharing_note(processes: int, gpus: int, backend: str, nccl: tuple[int, ...] | None) -> str:
-    """The warning a run whose processes share GPUs starts with: what it proves and what not."""
-    # Accelerate may name it "cuda:nccl,cpu:gloo" (FSDP with full state dicts): NCCL on the GPUs
-    over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if "nccl" in backend else
-            f"{backend}, its collectives copied through host memory"
-            + ("" if nccl_shares_gpus(nccl) else
-               f" (NCCL {_version(nccl)} cannot share a GPU: 2.30 can)"))
-    return (f"warning: --share-gpus: {processes} processes on {gpus} GPU(s) of this node, up to "
-            f"{math.ceil(processes / gpus)} a GPU, over {over}: a rehearsal that proves the "
-            f"launch, its collectives, checkpoints and resume; its speed and memory figures say "
-            f"nothing of {processes} GPUs")
 
 
 def local_processes() -> int:
@@ -143,20 +122,20 @@ def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read as NCCL's process group is made
     try:
-        sharing = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
-                                   nccl_version(), sharded)
+        per_gpu, backend = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
+                                            nccl_version(), sharded)
     except UserError:
         ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             raise
         time.sleep(REFUSAL_LINE_S)  # the first process's line first: the launcher stops it then
         raise SystemExit(1) from None  # the same refusal, said once a node
-    if sharing.per_gpu > 1:
+    if per_gpu > 1:
         os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"  # read by prepare(): no device_ids
         PartialState.wait_for_everyone = _wait_on_own_gpu  # every barrier of Accelerate's
-        if sharing.backend == "nccl":  # read when NCCL makes its communicator
+        if backend == "nccl":  # read when NCCL makes its communicator
             os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    return sharing.backend
+    return backend
 
 
 def _wait_on_own_gpu(self) -> None:
@@ -170,15 +149,27 @@ def _wait_on_own_gpu(self) -> None:
 
 def launch_record(accelerator) -> dict:
     """For config.json and the start line: the processes, their device, the process group's
-    backend, how many processes share each GPU and, when several do, the warning that says so."""
+    backend, how many processes share each GPU and, when several do, the warning that says what
+    the run proves and what not."""
     gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
     processes = local_processes() if accelerator.num_processes > 1 else 1
     per_gpu = math.ceil(processes / gpus) if gpus else None
     backend = accelerator.state.backend if accelerator.num_processes > 1 else None
-    return {"world_size": accelerator.num_processes, "device": str(accelerator.device),
-            "backend": backend, "processes_per_gpu": per_gpu,
-            "gpu_sharing": (sharing_note(processes, gpus, backend, nccl_version())
-                            if per_gpu and per_gpu > 1 else None)}
+    record = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
+              "backend": backend, "processes_per_gpu": per_gpu, "gpu_sharing": None}
+    if per_gpu and per_gpu > 1:
+        nccl = nccl_version()
+        # Accelerate may name it "cuda:nccl,cpu:gloo" (FSDP with full state dicts): NCCL on the GPUs
+        over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if "nccl" in backend else
+                f"{backend}, its collectives copied through host memory"
+                + ("" if nccl_shares_gpus(nccl) else
+                   f" (NCCL {_version(nccl)} cannot share a GPU: 2.30 can)"))
+        record["gpu_sharing"] = (
+            f"warning: --share-gpus: {processes} processes on {gpus} GPU(s) of this node, up to "
+            f"{per_gpu} a GPU, over {over}: a rehearsal that proves the launch, its collectives, "
+            f"checkpoints and resume; its speed and memory figures say nothing of {processes} "
+            f"GPUs")
+    return record
 
 
 def check_world_size(accelerator) -> None:
@@ -218,9 +209,8 @@ def check_sync_bn(sync_bn: bool, device: torch.device) -> None:
 
 
 def check_launch(accelerator, batch_size: int, grad_accum: int, sync_bn: bool = False) -> None:
-    """A DDP launch: Accelerate sees every process the launcher started (check_world_size), the
-    global batch cuts into equal slices, one per process and micro-batch (check_batch_split), and
-    --sync-bn (``sync_bn``) has GPUs (check_sync_bn). A collective: every process must call it."""
+    """A DDP launch checked (check_world_size, check_batch_split, check_sync_bn), each refusal
+    said once. A collective: every process must call it."""
     check_world_size(accelerator)
     refused_together(accelerator, check_batch_split, batch_size, accelerator.num_processes,
                      "processes", grad_accum)  # one line, not one per process

@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -38,12 +39,8 @@ STOP_RECORDS_VARIABLE = "TRAINING_STOP_RECORDS"
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """Why every process stops after the current optimizer step.
-
-    ``saves``: a stop signal; the step is saved and the run exits STOPPED_EXIT_CODE, to be resumed.
-    Otherwise the run diverged; nothing of the step is saved, ``message`` is the error line and the
-    run exits DIVERGED_EXIT_CODE.
-    """
+    """Why every process stops after the current optimizer step: ``saves`` after a stop signal
+    (STOPPED_EXIT_CODE, to be resumed), not after divergence (DIVERGED_EXIT_CODE)."""
 
     saves: bool
     message: str  # the signal's name, or the whole error line
@@ -59,13 +56,12 @@ class StepGuard:
     after a checkpoint.
 
     ``check`` sums, over processes, the step's loss (non-finite if any part is) and the number of
-    processes that got a stop signal (``install_signal_handlers``: SIGTERM or SIGUSR1 set a flag and
-    nothing else), so every process gets the same answer at the same step and none is left waiting
-    in the next all-reduce. On a GPU it reads the two numbers one step later, when the device has
-    long computed them, so the host keeps queueing work ahead of the device; on a CPU they are there
-    at once. A bad step has then changed the weights in memory, but nothing of it is kept: with
-    ``now`` (a step to be saved, an epoch's end) ``check`` reads the step at once, so no
-    checkpoint, model.safetensors or metrics line ever holds it.
+    processes that got a stop signal (``install_signal_handlers``), so every process gets the same
+    answer at the same step and none is left waiting in the next all-reduce. On a GPU it reads the
+    two numbers one step later, when the device has long computed them, so the host keeps queueing
+    work ahead of the device; on a CPU they are there at once. A bad step has then changed the
+    weights in memory, but nothing of it is kept: with ``now`` (a step to be saved, an epoch's end)
+    ``check`` reads the step at once, so no checkpoint, model.safetensors or metrics line holds it.
     """
 
     def __init__(self, accelerator, output_dir: Path):
@@ -84,7 +80,8 @@ class StepGuard:
         (common.failures.watch_failures). Main thread of a training process only."""
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._on_signal)
-        _signal_when_parent_dies(signal.SIGTERM)
+        with suppress(OSError, AttributeError):  # not Linux
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         watch_failures(self.accelerator)
 
     def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
@@ -183,26 +180,21 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
     kill this one while it shuts down). After divergence: the error line, the same on every process,
     from the main process before any exits, so the launcher cannot stop it before it speaks.
     """
-    if stop.saves:
-        accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
-                          f"{checkpoint}; the same command with --resume continues from there "
-                          f"(exit code {STOPPED_EXIT_CODE})", flush=True)
-        accelerator.end_training()
-        for stop_signal in STOP_SIGNALS:
-            signal.signal(stop_signal, signal.SIG_IGN)
-        record_the_saved_stop()
-    else:
-        end_tracking_failed(accelerator, stop.exit_code)  # wandb: the run failed, not finished
+    if not stop.saves:
+        end_tracking_failed(accelerator)  # wandb: the run failed, not finished
         ignore_the_launchers_stop()  # every process exits 1 by itself
         if accelerator.is_main_process:  # the same line on every process
             print(stop.message, file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
-    return stop.exit_code
-
-
-def record_the_saved_stop() -> None:
-    """For a launcher that asks (STOP_RECORDS_VARIABLE): this process stopped with its checkpoint
-    saved. A record that cannot be written costs the job a restart it could have had for free."""
+        return stop.exit_code
+    accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
+                      f"{checkpoint}; the same command with --resume continues from there "
+                      f"(exit code {STOPPED_EXIT_CODE})", flush=True)
+    accelerator.end_training()
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
+    # For a launcher that asks (STOP_RECORDS_VARIABLE): a record that cannot be written costs the
+    # job a restart it could have had for free.
     folder = os.environ.get(STOP_RECORDS_VARIABLE)
     if folder:
         try:
@@ -211,15 +203,7 @@ def record_the_saved_stop() -> None:
         except OSError as error:
             print(f"warning: cannot record the stop in {STOP_RECORDS_VARIABLE}={folder} ({error}): "
                   f"the launcher reports a failure", file=sys.stderr, flush=True)
-
-
-def _signal_when_parent_dies(signum: int) -> None:
-    """Linux's PR_SET_PDEATHSIG: ``signum`` to this process when the process that started it exits,
-    as a launcher that is killed without passing its signal on does. Elsewhere nothing."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux
-        pass
+    return stop.exit_code
 
 
 class SkippedSteps:

@@ -41,11 +41,10 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from common.errors import UserError, first_line
 
-# torch._dynamo backends that Accelerate accepts (accelerate.utils.DynamoBackend) and that need
-# nothing beyond torch on a CPU or a GPU: inductor compiles; aot_eager and eager only trace, to find
-# graph breaks. auto: CUDA graphs where they pay (above); none: eager.
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-COMPILE_CHOICES = ("auto", "none", *COMPILE_BACKENDS)
+# auto: CUDA graphs where they pay (above); none: eager; then torch._dynamo backends that Accelerate
+# accepts (accelerate.utils.DynamoBackend) and that need nothing beyond torch on a CPU or a GPU:
+# inductor compiles; aot_eager and eager only trace, to find graph breaks.
+COMPILE_CHOICES = ("auto", "none", "inductor", "aot_eager", "eager")
 # torch.compile's modes (TorchInductor's); those of CUDA_GRAPH_MODES also replay CUDA graphs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -27,7 +27,6 @@ this process's slice.
 """
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.recipe.evaluation import evaluate
@@ -61,17 +60,13 @@ class WeightAverage:
     def __bool__(self) -> bool:
         return bool(self.decay)
 
-    def decay_now(self) -> float:
-        """The decay of the next update: the warm-up's, up to --ema-decay."""
-        return min(self.decay, 1 - (1 + self.updates + 1) ** -WARMUP_POWER)
-
     @torch.no_grad()
     def update(self) -> None:
         """Move the average towards the model's weights after an optimizer step."""
         if not self.decay:
             return
-        weight = 1 - self.decay_now()
         self.updates += 1
+        weight = 1 - min(self.decay, 1 - (1 + self.updates) ** -WARMUP_POWER)  # the warm-up's decay
         torch._foreach_lerp_(self.average, self.live, weight)
         # BatchNorm's statistics differ by process: the same average on every process
         mean_over_processes(self.accelerator,
@@ -136,8 +131,6 @@ def mean_over_processes(accelerator, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for group in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)  # a sum: gloo has no average
-        flat /= accelerator.num_processes
+        flat = accelerator.reduce(torch.cat([t.reshape(-1) for t in group]), "mean")
         torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(
             flat.split([t.numel() for t in group]), group)])

@@ -85,16 +85,6 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def _with_cifar_stem(model: torchvision.models.ResNet) -> torchvision.models.ResNet:
-    # The ImageNet stem (7x7 stride 2, then max pool) shrinks 32x32 to 8x8 before the first block,
-    # leaving 1x1 maps in the last stage; the CIFAR stem keeps 32x32 (kuangliu/pytorch-cifar).
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    # The same init torchvision's ResNet gives every other convolution.
-    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-    model.maxpool = nn.Identity()
-    return model
-
-
 def model_names() -> list[str]:
     """Our names; ``--model`` also takes ``torchvision:NAME`` and ``timm:NAME``."""
     return [*_CIFAR_STEM, *_BLOCKS_PER_STAGE]
@@ -130,13 +120,27 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
     ``image_size`` (N; None: not checked), is a UserError naming what it takes."""
     check_model_name(name)
     if name in _CIFAR_STEM:
-        return _with_cifar_stem(_CIFAR_STEM[name](weights=None, num_classes=num_classes))
+        model = _CIFAR_STEM[name](weights=None, num_classes=num_classes)
+        # The ImageNet stem (7x7 stride 2, then max pool) shrinks 32x32 to 8x8 before the first
+        # block, leaving 1x1 maps in the last stage; the CIFAR stem keeps 32x32
+        # (kuangliu/pytorch-cifar).
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        # The same init torchvision's ResNet gives every other convolution.
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
+        return model
     if name in _BLOCKS_PER_STAGE:
         return CifarResNet(_BLOCKS_PER_STAGE[name], num_classes)
     if name.startswith(TORCHVISION_PREFIX):
-        return _torchvision_model(name, name.removeprefix(TORCHVISION_PREFIX), num_classes,
-                                  image_size)
-    return _timm_model(name, name.removeprefix(TIMM_PREFIX), num_classes, image_size)
+        model = _torchvision_model(name.removeprefix(TORCHVISION_PREFIX), num_classes)
+    else:
+        import timm  # imported by the runs that use it only: it takes a second
+
+        model = timm.create_model(name.removeprefix(TIMM_PREFIX), pretrained=False,
+                                  num_classes=num_classes)
+    if image_size is not None:
+        _check_image_size(_shapes_only(model), name, num_classes, image_size)
+    return model
 
 
 def check_timm_name(name: str, timm_name: str) -> None:
@@ -156,15 +160,6 @@ def check_timm_name(name: str, timm_name: str) -> None:
         raise UserError(f"--model {name!r}: timm has no pretrained tag {tag!r} for {arch} "
                         f"({'its tags: ' + ', '.join(tags[:8]) if tags else 'it has none'}); "
                         f"pass --model {TIMM_PREFIX}{arch}" + (f".{tags[0]}" if tags else ""))
-
-
-def _timm_model(name: str, timm_name: str, num_classes: int, image_size: int | None) -> nn.Module:
-    import timm  # imported by the runs that use it only: it takes a second
-
-    model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes)
-    if image_size is not None:
-        _check_image_size(_shapes_only(model), name, num_classes, image_size)
-    return model
 
 
 def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
@@ -187,8 +182,7 @@ def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
     return heads[-1]
 
 
-def _torchvision_model(name: str, tv_name: str, num_classes: int,
-                       image_size: int | None) -> nn.Module:
+def _torchvision_model(tv_name: str, num_classes: int) -> nn.Module:
     def build(**kwargs):
         with warnings.catch_warnings():
             # googlenet and inception_v3 warn that their default init will change; it is the one
@@ -202,8 +196,6 @@ def _torchvision_model(name: str, tv_name: str, num_classes: int,
         # heads helped their ImageNet training from scratch (Szegedy et al. 2015, 2016), but a
         # training loop takes logits. Without pretrained weights they can be left out.
         model = build(aux_logits=False)
-    if image_size is not None:
-        _check_image_size(_shapes_only(model), name, num_classes, image_size)
     return model
 
 

@@ -21,8 +21,11 @@ def choose_mixed_precision(requested: str | None) -> str:
     configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     precision = requested or configured
     if precision not in ("fp16", "bf16"):
-        precision = ("fp16" if torch.cuda.is_available() and _own_gpu_capability() < (8, 0)
-                     else "bf16")
+        precision = "bf16"
+        if torch.cuda.is_available():  # this process's GPU made current first, as Accelerate will
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            precision = "fp16" if torch.cuda.get_device_capability() < (8, 0) else "bf16"
         if configured != "no" and os.environ.get("RANK", "0") == "0":
             print(f"warning: the Accelerate config's mixed_precision {configured} is not one "
                   f"train_amp.py trains in; training in {precision} (--mixed-precision fp16 or "
@@ -33,13 +36,6 @@ def choose_mixed_precision(requested: str | None) -> str:
         raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a "
                         f"word): use --mixed-precision bf16")
     return precision
-
-
-def _own_gpu_capability() -> tuple[int, int]:
-    """Compute capability of this process's GPU (LOCAL_RANK), made its current device first, as
-    Accelerate will: asking before would create a CUDA context on GPU 0 in every process."""
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.cuda.get_device_capability()
 
 
 def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
