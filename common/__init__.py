@@ -7,8 +7,8 @@ training script imports from every folder.
                 gathers each folder's flags, so it stands on all of them
     observe/    what a run reports: the log line and the trackers, the profiler, GPU
                 utilisation, output that never raises
-    parallel/   several processes as one job: the launch, stopping together after a step,
-                DataParallel's GPUs, FSDP2
+    parallel/   several processes as one job: the launch, stopping together after a step;
+                the strategies' own: DataParallel's GPUs, AMP's 16-bit steps, FSDP2
     data/       the input path: a dataset by name or folder, decoded, cached and loaded; the
                 weights to fine-tune from and the inputs they expect; the data flags
     run/        what a run writes and reads back: its folder and lock, checkpoints, the run

@@ -57,12 +57,13 @@ from common.observe.tracking import (
 )
 from common.observe.utilisation import peak_memory
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
-from common.parallel.step_guard import SkippedSteps, StepGuard, announce_stop
+from common.parallel.amp import SkippedSteps, choose_mixed_precision
+from common.parallel.step_guard import StepGuard, announce_stop
 from common.recipe.compiling import set_up_compiling
 from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
-from common.recipe.numerics import choose_mixed_precision, set_numerics
+from common.recipe.numerics import set_numerics
 from common.recipe.optim import optimizer_and_schedule, set_peak_lr
 from common.run.checkpoints import Checkpointer, TrainProgress, resume_from
 from common.run.folder import lock_run_and_find_resume

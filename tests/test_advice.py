@@ -21,8 +21,8 @@ from helpers import ROOT
 
 from common.data.choice import choose_loader
 from common.errors import UserError
+from common.parallel.amp import choose_mixed_precision
 from common.parallel.launch import check_batch_split, check_sync_bn, plan_gpu_sharing
-from common.recipe.numerics import choose_mixed_precision
 
 CPU = torch.device("cpu")
 SCRIPTS = {}

@@ -18,7 +18,8 @@ from common.data.transform import BatchTransform, resized_crop_boxes
 from common.errors import UserError
 from common.files import atomic_write
 from common.observe.tracking import log_line
-from common.recipe.numerics import choose_mixed_precision, keep_freed_memory
+from common.parallel.amp import choose_mixed_precision
+from common.recipe.numerics import keep_freed_memory
 from common.recipe.optim import build_optimizer, build_scheduler
 from common.run.checkpoints import latest_checkpoint
 from common.run.record import check_resume_config

@@ -125,18 +125,21 @@ def test_the_folders_stack_in_the_order_of_common_init():
 
 
 def test_each_script_reaches_what_it_needs_and_a_ddp_copier_takes_no_data_parallel_code():
-    """common/parallel/data_parallel.py is train_dp.py's alone, common/parallel/fsdp.py train_fsdp.py's alone."""
+    """common/parallel/data_parallel.py is train_dp.py's alone, common/parallel/amp.py train_amp.py's,
+    common/parallel/fsdp.py train_fsdp.py's."""
     modules = set(common_modules()) - {"common"}
     reach = {script: reached(ROOT / "scripts" / f"{script}.py") - {"common"} for script in TRAINING}
     evaluation = reached(ROOT / "scripts" / "evaluate.py")
     assert set().union(*reach.values(), evaluation) >= modules, \
         f"used by no training script: {sorted(modules - set().union(*reach.values()))}"
-    own = {"train_dp": {"common.parallel.data_parallel"}, "train_fsdp": {"common.parallel.fsdp"}}
+    own = {"train_dp": {"common.parallel.data_parallel"}, "train_amp": {"common.parallel.amp"},
+           "train_fsdp": {"common.parallel.fsdp"}}
     for script in TRAINING:
         unused = set().union(*(mine for other, mine in own.items() if other != script))
         assert modules - reach[script] == unused, (script, sorted(modules - reach[script]))
     # The README says so, and that the other modules are all needed: the whole folder is copied.
     assert "`common/parallel/data_parallel.py` is `train_dp.py`'s alone" in README
+    assert "`common/parallel/amp.py` `train_amp.py`'s" in README
     assert "`common/parallel/fsdp.py` `train_fsdp.py`'s" in README
 
 

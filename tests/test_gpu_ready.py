@@ -20,8 +20,9 @@ from common.errors import UserError
 from common.observe import tracking, utilisation
 from common.observe.tracking import start_tracking
 from common.observe.utilisation import DataWait
-from common.parallel.step_guard import STOPPED_EXIT_CODE, SkippedSteps, StepGuard, announce_stop
-from common.recipe.numerics import choose_mixed_precision, set_numerics
+from common.parallel.amp import SkippedSteps, choose_mixed_precision
+from common.parallel.step_guard import STOPPED_EXIT_CODE, StepGuard, announce_stop
+from common.recipe.numerics import set_numerics
 from common.run.checkpoints import latest_checkpoint
 
 

@@ -6,6 +6,7 @@ a failure on one process stops all of them is common/failures.py, which the fold
                     slices; several processes on one GPU (--share-gpus)
     step_guard      after each optimizer step, whether every process stops (a stop signal: SLURM,
                     Kubernetes, Ctrl-C; a non-finite loss; fp16's run of skipped steps), and why
+    amp             mixed precision: the 16-bit format, fp16's skipped steps (train_amp.py)
     data_parallel   nn.DataParallel's GPUs: which ones, whether copies between them arrive
                     intact, their memory (train_dp.py)
     fsdp            FSDP2 through Accelerate for image classifiers (train_fsdp.py)

@@ -2,7 +2,8 @@
 
 The guard only answers; the training loop acts on the answer (``Stop``): it saves the step and
 exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss
-or, in fp16, a run of skipped steps. ``announce_stop`` says which, in one line.
+or, in fp16, a run of skipped steps (common.parallel.amp). ``announce_stop`` says which, in one
+line.
 """
 
 import ctypes
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.failures import end_tracking_failed, ignore_the_launchers_stop, watch_failures
-from common.run.checkpoints import latest_checkpoint, latest_good_checkpoint
+from common.run.checkpoints import latest_good_checkpoint
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
 # torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
@@ -204,52 +205,3 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
             print(f"warning: cannot record the stop in {STOP_RECORDS_VARIABLE}={folder} ({error}): "
                   f"the launcher reports a failure", file=sys.stderr, flush=True)
     return stop.exit_code
-
-
-class SkippedSteps:
-    """fp16 steps that the GradScaler skipped because their gradients overflowed.
-
-    A skip halves the loss scale, and one now and then is normal: the scale probes upwards after
-    every 2,000 good steps. A run whose every step overflows has diverged, and nothing says so: the
-    scale halves forever and no step is applied. ``limit`` skipped steps in a row (a scale 2^-limit
-    of the one that last worked) make ``count`` return a Stop, the same in every process (DDP
-    averages the gradients before the scaler looks, so all skip alike): nothing of those steps is
-    saved, and its line names the newest checkpoint from before the skipping began.
-    """
-
-    def __init__(self, accelerator, output_dir, limit: int = 100):
-        self.accelerator, self.output_dir, self.limit = accelerator, output_dir, limit
-        self.in_epoch = self.in_a_row = 0  # the log line reports in_epoch, the count of this epoch
-
-    def figures(self) -> dict:
-        """For the epoch's record, in fp16 only: the loss scale and the steps skipped this epoch,
-        then counted again from 0 for the next epoch."""
-        if self.accelerator.scaler is None:
-            return {}
-        figures = {"loss_scale": self.accelerator.scaler.get_scale(),
-                   "skipped_steps": self.in_epoch}
-        self.in_epoch = 0
-        return figures
-
-    def count(self, step: int) -> Stop | None:
-        """After ``optimizer.step()`` of optimizer step ``step``: a Stop when the run diverged."""
-        if not self.accelerator.optimizer_step_was_skipped:
-            self.in_a_row = 0
-            return None
-        self.in_epoch += 1
-        self.in_a_row += 1
-        if self.in_a_row < self.limit:
-            return None
-        first = step - self.in_a_row + 1
-        checkpoint = latest_checkpoint(self.output_dir, up_to=first - 1)
-        # Checkpoints written while every step was skipped may follow it: continuing from it in
-        # place would fork the run's record, so the advice continues it in a new folder.
-        then = (f"the newest checkpoint before them is {checkpoint}: continue from it with a lower "
-                f"--lr or --clip-grad (the same command with --resume {checkpoint} --output-dir "
-                f"NEW and the new flag)" if checkpoint
-                else "there is no checkpoint from before them: start again in a new --output-dir "
-                     "with a lower --lr, --clip-grad or --mixed-precision bf16")
-        return Stop(False, f"error: fp16 skipped {self.in_a_row} steps in a row "
-                           f"({first} to {step}) because the gradients overflowed at every loss "
-                           f"scale (now {self.accelerator.scaler.get_scale():g}): training "
-                           f"diverged and stopped; {then}")

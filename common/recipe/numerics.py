@@ -1,41 +1,11 @@
-"""Numerics: how fp32 math runs (TF32, cuDNN's search, determinism) and AMP's 16-bit format, and
-where a CPU's tensors get their memory."""
+"""Numerics: how fp32 math runs (TF32, cuDNN's search, determinism), and where a CPU's tensors
+get their memory. AMP's 16-bit format is train_amp.py's own (common.parallel.amp)."""
 
 import ctypes
 import os
 import platform
-import sys
 
 import torch
-
-from common.errors import UserError
-
-
-def choose_mixed_precision(requested: str | None) -> str:
-    """The 16-bit format to train in: ``requested`` (--mixed-precision), else the Accelerate
-    config's (accelerate launch exports it as ACCELERATE_MIXED_PRECISION), else bf16 where the
-    hardware has it (CPUs; GPUs of compute capability 8.0 and newer) and fp16 on older GPUs, which
-    only emulate bf16 (torch.cuda.is_bf16_supported() says True on them). Call it before the
-    Accelerator exists: it asks about this process's GPU (LOCAL_RANK) without creating a context on
-    another one."""
-    configured = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    precision = requested or configured
-    if precision not in ("fp16", "bf16"):
-        precision = "bf16"
-        if torch.cuda.is_available():  # this process's GPU made current first, as Accelerate will
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            precision = "fp16" if torch.cuda.get_device_capability() < (8, 0) else "bf16"
-        if configured != "no" and os.environ.get("RANK", "0") == "0":
-            print(f"warning: the Accelerate config's mixed_precision {configured} is not one "
-                  f"train_amp.py trains in; training in {precision} (--mixed-precision fp16 or "
-                  f"bf16 to choose)", file=sys.stderr)
-    if precision == "fp16" and not torch.cuda.is_available():
-        given = ("--mixed-precision fp16" if requested
-                 else "mixed_precision fp16 (from the Accelerate config)")
-        raise UserError(f"{given} needs a GPU (on a CPU Accelerate would train in fp32 without a "
-                        f"word): use --mixed-precision bf16")
-    return precision
 
 
 def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
