@@ -15,8 +15,6 @@ from common.errors import UserError, first_line
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
-    """The data flags (common.data.flags), then the training flags the loaders read."""
-
     dataset: str  # cifar10, cifar100, synthetic or a Hub id (owner/name)
     data_dir: str | None  # a local copy, read instead of the Hub
     cache_dir: str | None  # decoded tensors and Arrow files; None: default_cache_dir()
