@@ -2,7 +2,7 @@
 
 --loader auto (the default) takes device when the decoded dataset fits the budget:
 DEVICE_DATA_SHARE of the GPU's free memory and HOST_DATA_SHARE of the host's available memory,
-or --loader-budget. The main process decides, and every process takes its answer.
+or --loader-budget. Every process takes the main process's budget, so all decide alike.
 """
 
 import psutil
