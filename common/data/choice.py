@@ -2,7 +2,7 @@
 
 --loader auto (the default) takes device when the decoded dataset fits the budget:
 DEVICE_DATA_SHARE of the GPU's free memory and HOST_DATA_SHARE of the host's available memory,
-or --loader-budget. The main process decides, and every process takes its answer.
+or --loader-budget. Every process takes the main process's budget, so all decide alike.
 """
 
 import psutil
@@ -21,28 +21,18 @@ def choose_loader(accelerator, wanted: str, images: int, size: int,
                   budget_gb: float | None) -> tuple[str, str]:
     """(loader, why): ``wanted`` (device, workers or auto) checked against the main process's
     budget, so that every process takes the same path even when their free memory differs."""
-    choice = None
+    if wanted == "workers":  # the same flag on every process: no budget to agree on
+        return "workers", "--loader workers"
+    budget = None
     if accelerator.num_processes == 1 or accelerator.is_main_process:
-        try:
-            choice = _choose(wanted, images, size, accelerator.device, budget_gb)
-        except UserError as error:
-            choice = error.message
-    choice = from_main(accelerator, choice)
-    if isinstance(choice, str):  # the main process's refusal, said by every process
-        raise UserError(choice)
-    return tuple(choice)
-
-
-def _choose(wanted: str, images: int, size: int, device: torch.device, budget_gb: float | None):
+        budget = data_budget(accelerator.device, budget_gb)
+    budget, of_what = from_main(accelerator, budget)
     need = images * 3 * size * size
-    budget, of_what = data_budget(device, budget_gb)
     summary = (f"{images} images at {size}px decoded take {_gb(need)}, budget {_gb(budget)} "
                f"({of_what})")
-    if wanted == "workers":
-        return "workers", "--loader workers"
     if need <= budget:
         return "device", summary if wanted == "auto" else "--loader device"
-    if wanted == "device":
+    if wanted == "device":  # refused by every process alike: they share the main one's budget
         raise UserError(f"--loader device: the {images} images at {size}px decoded take "
                         f"{_gb(need)}, over the budget of {_gb(budget)} ({of_what}); "
                         + ("use --loader auto (over --loader-budget it loads through the workers)"
@@ -55,14 +45,13 @@ def _gb(size: float) -> str:
 
 
 def data_budget(device: torch.device, budget_gb: float | None) -> tuple[float, str]:
-    """The most the decoded dataset may take, and a description of where the number comes from."""
+    """The most the decoded dataset may take, and a description of where the number comes from:
+    the smaller share, of the host's memory or of the GPU's (the host's when they are equal)."""
     if budget_gb is not None:
         return budget_gb * 1e9, "--loader-budget"
-    host = HOST_DATA_SHARE * psutil.virtual_memory().available
-    described = f"{HOST_DATA_SHARE:.0%} of the host's available memory"
+    budgets = [(HOST_DATA_SHARE * psutil.virtual_memory().available,
+                f"{HOST_DATA_SHARE:.0%} of the host's available memory")]
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if DEVICE_DATA_SHARE * free < host:
-            share = f"{DEVICE_DATA_SHARE:.0%} of the free memory of {device}"
-            return DEVICE_DATA_SHARE * free, share
-    return host, described
+        budgets.append((DEVICE_DATA_SHARE * torch.cuda.mem_get_info(device)[0],
+                        f"{DEVICE_DATA_SHARE:.0%} of the free memory of {device}"))
+    return min(budgets, key=lambda budget: budget[0])

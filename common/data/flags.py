@@ -128,13 +128,10 @@ def check_augment_args(args: argparse.Namespace) -> None:
 
 
 def data_options(args: argparse.Namespace, weights=None) -> DataOptions:
-    """What the input path needs of the parsed flags:
-    common.data.inputs.load_inputs(data_options(args), accelerator). Each field of DataOptions the
-    parser has a flag for: the data flags, and the training flags it reads (scripts/evaluate.py has
-    none of those, and keeps their defaults).
-    With pretrained ``weights`` (common.data.pretrained.Weights), their mean and std, their
-    interpolation (Weights.resize_interpolation), and their input size unless --image-size is
-    given."""
+    """What the input path needs of the parsed flags, each field of DataOptions that ``args`` has:
+    common.data.inputs.load_inputs(data_options(args), accelerator). With pretrained ``weights``
+    (common.data.pretrained.Weights), their mean and std, their interpolation
+    (Weights.resize_interpolation), and their input size unless --image-size is given."""
     flags = {field.name: getattr(args, field.name) for field in dataclasses.fields(DataOptions)
              if hasattr(args, field.name)}
     if weights is None:

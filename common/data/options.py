@@ -15,8 +15,6 @@ from common.errors import UserError, first_line
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
-    """The data flags (common.data.flags), then the training flags the loaders read."""
-
     dataset: str  # cifar10, cifar100, synthetic or a Hub id (owner/name)
     data_dir: str | None  # a local copy, read instead of the Hub
     cache_dir: str | None  # decoded tensors and Arrow files; None: default_cache_dir()
@@ -47,10 +45,8 @@ class DataOptions:
 def default_cache_dir() -> str:
     """Where decoded tensors and Arrow files are cached: $CIFAR_CACHE_DIR if set, else
     $XDG_CACHE_HOME/multigpu-cifar, else ~/.cache/multigpu-cifar."""
-    if os.environ.get("CIFAR_CACHE_DIR"):
-        return os.environ["CIFAR_CACHE_DIR"]
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "multigpu-cifar")
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.environ.get("CIFAR_CACHE_DIR") or os.path.join(xdg, "multigpu-cifar")
 
 
 def cache_folder(cache_dir: str | None) -> Path:

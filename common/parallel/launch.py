@@ -27,15 +27,10 @@ REFUSAL_LINE_S = 5
 SHARE_GPUS = ("auto", "nccl", "gloo")  # --share-gpus: auto is NCCL where it can share, else gloo
 
 
-def launched_processes() -> int:
-    """Processes started by torchrun / accelerate launch (WORLD_SIZE), 1 for a plain python run."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def require_single_process(script: str) -> None:
     """A one-process script (``script``: its ``__file__``) launched as several would train the same
     model N times over."""
-    world_size = launched_processes()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, accelerate launch's
     if world_size > 1:
         raise UserError(f"{os.path.basename(script)} trains in one process but was launched as "
                         f"{world_size} processes (WORLD_SIZE={world_size}): use "
@@ -100,11 +95,6 @@ def _version(nccl: tuple[int, ...] | None) -> str:
     return ".".join(map(str, nccl)) if nccl else "none"
 
 
-def local_processes() -> int:
-    """This node's processes (LOCAL_WORLD_SIZE, from torchrun / accelerate launch); 1 alone."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
     """One process per GPU, or with --share-gpus ``share`` several, set up in this process: the
     backend for Accelerate (None: its default); FSDP2 (``sharded``) only over NCCL. A launch with
@@ -122,8 +112,8 @@ def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read as NCCL's process group is made
     try:
-        per_gpu, backend = plan_gpu_sharing(share, local_processes(), torch.cuda.device_count(),
-                                            nccl_version(), sharded)
+        per_gpu, backend = plan_gpu_sharing(share, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                            torch.cuda.device_count(), nccl_version(), sharded)
     except UserError:
         ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -152,7 +142,7 @@ def launch_record(accelerator) -> dict:
     backend, how many processes share each GPU and, when several do, the warning that says what
     the run proves and what not."""
     gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
-    processes = local_processes() if accelerator.num_processes > 1 else 1
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if accelerator.num_processes > 1 else 1
     per_gpu = math.ceil(processes / gpus) if gpus else None
     backend = accelerator.state.backend if accelerator.num_processes > 1 else None
     record = {"world_size": accelerator.num_processes, "device": str(accelerator.device),
@@ -179,7 +169,7 @@ def check_world_size(accelerator) -> None:
     independent trainings on the full data, and no error. The scripts pass ``cpu=True``
     on a CPU-only machine to get gloo; this check catches any other way into that trap.
     """
-    world_size = launched_processes()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # 1: a plain python run
     if accelerator.num_processes != world_size:
         raise UserError(f"the launcher started {world_size} processes (WORLD_SIZE) but Accelerate "
                         f"runs {accelerator.num_processes} ({accelerator.distributed_type}): each "
