@@ -28,6 +28,7 @@ import os
 import secrets
 import string
 import time
+from contextlib import suppress
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,7 +46,6 @@ DEFAULT_PROJECT = "multigpu-cifar"
 # --dist-timeout (600 s), and under wandb's own 90 s.
 START_TIMEOUT = 60
 MLFLOW_REQUEST_TIMEOUT = 10  # seconds an MLflow server may take to answer one request
-SCRIPT_INDENT = "  "  # the start line's continuation lines
 TENSORBOARD_DIR = "tensorboard"  # under --output-dir: tensorboard --logdir RUN/tensorboard
 MLFLOW_DB = "mlflow.db"  # under --output-dir: mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db
 MLFLOW_ARTIFACTS = "mlflow-artifacts"  # under --output-dir: the experiment's (the scripts log none)
@@ -77,15 +77,9 @@ def installed_trackers(report_to: list[str]) -> list | None:
     """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
     (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard; None for
     none."""
-    missing = _missing(report_to)
+    available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
     return [RunFolderTensorBoard() if name == "tensorboard" else name
-            for name in dict.fromkeys(report_to) if name != "none" and name not in missing] or None
-
-
-def _missing(report_to: list[str]) -> list[str]:
-    """The trackers in ``report_to`` whose package Accelerate does not find."""
-    available = {str(tracker) for tracker in get_available_trackers()}
-    return [name for name in dict.fromkeys(report_to) if name != "none" and name not in available]
+            for name in dict.fromkeys(report_to) if name in available] or None
 
 
 def start_tracking(accelerator, config: dict, output_dir: Path, progress,
@@ -102,14 +96,16 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     """
     if not accelerator.is_main_process:  # Accelerate starts no tracker on the others
         return
-    for missing in _missing(config.get("args", {}).get("report_to", [])):
-        accelerator.print(f"warning: --report-to {missing} needs the {missing} package, which is "
-                          f"not installed (pip install {missing}); training goes on without it")
-    if not accelerator.log_with:
-        return
     names = [_name(tracker) for tracker in accelerator.log_with]
+    for missing in dict.fromkeys(config.get("args", {}).get("report_to", [])):
+        if missing not in (*names, "none"):  # left out by installed_trackers
+            accelerator.print(f"warning: --report-to {missing} needs the {missing} package, "
+                              f"which is not installed (pip install {missing}); training goes on "
+                              f"without it")
+    if not names:
+        return
     project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
-    init, new_run, offline = {}, {"wandb": True}, False
+    init, new_run, offline = {}, {}, False
     if "wandb" in names:
         init["wandb"], offline = _wandb_init(accelerator, output_dir, progress, name, tags, group)
     if "mlflow" in names:
@@ -283,10 +279,8 @@ class StepLogger:
 def _drop(accelerator, trackers: list) -> None:
     """``trackers`` finished as well as they can, and logged to no more."""
     for tracker in trackers:
-        try:
+        with suppress(Exception):  # already failing; nothing more to report
             tracker.finish()
-        except Exception:  # noqa: BLE001, S110 - already failing; nothing more to report
-            pass
     accelerator.trackers = [t for t in accelerator.trackers if t not in trackers]
 
 
@@ -326,7 +320,7 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
     tuned = config.get("fine_tune", {})  # --pretrained(-path), --compile, --share-gpus: lines
     notes = (tuned.get("loaded"), tuned.get("frozen"), config.get("compile"),  # of their own
              config.get("gpu_sharing"))  # --share-gpus: what a rehearsal proves and does not
-    notes = "".join(f"\n{SCRIPT_INDENT}{note}" for note in notes if note)
+    notes = "".join(f"\n  {note}" for note in notes if note)  # indented: the same line's
     if config.get("backend"):  # several processes: their collectives' backend
         where = f"{where} ({config['backend']})"
     return (f"{script}: {precision}{args['model']} on {where}, {batch}, lr {config['lr']:g}, "

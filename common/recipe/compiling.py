@@ -33,6 +33,7 @@ one line naming --compile none.
 
 import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -97,11 +98,9 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT) == TORCH_DEFAULT:
         runs = Path(args.output_dir).parent if args.output_dir else Path("runs")
         cache = (runs / CACHE_FOLDER).absolute()
-        try:  # a folder of runs this job cannot write (a read-only mount) leaves torch's, said
-            cache.mkdir(parents=True, exist_ok=True)
+        with suppress(OSError):  # a folder of runs this job cannot write (a read-only mount)
+            cache.mkdir(parents=True, exist_ok=True)  # leaves torch's, said by the start line
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-        except OSError:
-            pass
     sys.excepthook = _said_in_one_line(sys.excepthook, args.compile)
     # fixed shapes for the CUDA-graph modes, which record one graph per shape
     return TorchDynamoPlugin(backend=backend, mode=mode,

@@ -31,8 +31,7 @@ from common.errors import UserError, first_line
 
 TORCHVISION_PREFIX = "torchvision:"
 TIMM_PREFIX = "timm:"
-_CIFAR_STEM = {"resnet18": torchvision.models.resnet18, "resnet34": torchvision.models.resnet34,
-               "resnet50": torchvision.models.resnet50}
+_CIFAR_STEM = ("resnet18", "resnet34", "resnet50")  # torchvision's, with another stem
 _BLOCKS_PER_STAGE = {"resnet20": 3, "resnet32": 5, "resnet56": 9}  # depth = 6n + 2 (He et al. 4.2)
 
 
@@ -67,14 +66,12 @@ class CifarResNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 16, 3, 1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
-        stages, in_channels = [], 16
-        for out_channels, stride in [(16, 1), (32, 2), (64, 2)]:
-            blocks = []
-            for i in range(blocks_per_stage):
-                blocks.append(BasicBlock(in_channels, out_channels, stride if i == 0 else 1))
-                in_channels = out_channels
-            stages.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3 = stages
+
+        def stage(in_channels: int, out_channels: int, stride: int) -> nn.Sequential:
+            return nn.Sequential(BasicBlock(in_channels, out_channels, stride),
+                                 *(BasicBlock(out_channels, out_channels, 1)
+                                   for _ in range(blocks_per_stage - 1)))
+        self.layer1, self.layer2, self.layer3 = stage(16, 16, 1), stage(16, 32, 2), stage(32, 64, 2)
         self.fc = nn.Linear(64, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):  # He et al. use the init of their arXiv:1502.01852
@@ -120,7 +117,7 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
     ``image_size`` (N; None: not checked), is a UserError naming what it takes."""
     check_model_name(name)
     if name in _CIFAR_STEM:
-        model = _CIFAR_STEM[name](weights=None, num_classes=num_classes)
+        model = _torchvision_model(name, num_classes)
         # The ImageNet stem (7x7 stride 2, then max pool) shrinks 32x32 to 8x8 before the first
         # block, leaving 1x1 maps in the last stage; the CIFAR stem keeps 32x32
         # (kuangliu/pytorch-cifar).
@@ -183,19 +180,17 @@ def classifier_name(model: nn.Module, num_classes: int | None = None) -> str:
 
 
 def _torchvision_model(tv_name: str, num_classes: int) -> nn.Module:
-    def build(**kwargs):
-        with warnings.catch_warnings():
-            # googlenet and inception_v3 warn that their default init will change; it is the one
-            # they are trained with, and init_weights=True, which silences it, is theirs only.
-            warnings.filterwarnings("ignore", message="The default weight initialization")
-            return torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes,
-                                                **kwargs)
-    model = build()
-    if getattr(model, "aux_logits", False):
-        # googlenet and inception_v3 return (logits, auxiliary logits) in training mode: the extra
-        # heads helped their ImageNet training from scratch (Szegedy et al. 2015, 2016), but a
-        # training loop takes logits. Without pretrained weights they can be left out.
-        model = build(aux_logits=False)
+    with warnings.catch_warnings():
+        # googlenet and inception_v3 warn that their default init will change; it is the one
+        # they are trained with, and init_weights=True, which silences it, is theirs only.
+        warnings.filterwarnings("ignore", message="The default weight initialization")
+        model = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes)
+        if getattr(model, "aux_logits", False):
+            # googlenet and inception_v3 return (logits, auxiliary logits) in training mode: the
+            # extra heads helped their ImageNet training from scratch (Szegedy et al. 2015, 2016),
+            # but a training loop takes logits. Without pretrained weights they can be left out.
+            model = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes,
+                                                 aux_logits=False)
     return model
 
 
