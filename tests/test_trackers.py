@@ -30,16 +30,27 @@ def empty_but_for_cache(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != ".cache")
 
 
-def test_tensorboard_writes_every_epoch_into_the_run_folder(tmp_path):
+def test_tensorboard_writes_every_epoch_into_the_run_folder_beside_the_other_trackers(tmp_path):
+    """All three trackers at once, each started once: Accelerate's init_trackers starts every
+    tracker it holds, so starting them one at a time began a second wandb run and MLflow refused
+    ("already active"), which took TensorBoard's start down with it."""
+    from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, cwd = tmp_path / "run", tmp_path / "cwd"
     cwd.mkdir()
-    done = run("train_single.py", *SMALL, "--report-to", "tensorboard", "--output-dir", out, cwd=cwd)
+    done = run("train_single.py", *SMALL, "--report-to", "wandb", "mlflow", "tensorboard",
+               "--output-dir", out, cwd=cwd)
     folder = out / "tensorboard" / "multigpu-cifar"  # --output-dir/tensorboard/<project>
     assert [line for line in done.stdout.splitlines() if line.startswith("tensorboard:")] == [
         f"tensorboard: events in {folder}; see them with: tensorboard --logdir {out / 'tensorboard'}"]
+    assert "warning" not in done.stdout + done.stderr, done.stdout + done.stderr
     assert empty_but_for_cache(cwd) == []
+    [wandb_run] = (out / "wandb").glob("offline-run-*")  # one wandb.init
+    assert offline_run(wandb_run)["exit_code"] == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert mlflow_run.info.status == "FINISHED"
 
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0}).Reload()  # 0: keep all
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
@@ -153,8 +164,8 @@ def test_a_run_that_fails_on_a_bad_image_is_one_line_and_failed_in_every_tracker
     client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve() / 'mlflow.db'}")
     (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert mlflow_run.info.status == "FAILED"
-    [datastore] = (out / "wandb").glob("offline-run-*/run-*.wandb")  # one of two: wandb.init ran twice, once empty
-    assert offline_run(datastore.parent)["exit_code"] == 1
+    [wandb_run] = (out / "wandb").glob("offline-run-*")  # one wandb.init
+    assert offline_run(wandb_run)["exit_code"] == 1
 
 
 def test_the_config_is_flattened_for_tensorboard_hparams_and_mlflow_params():

@@ -114,20 +114,24 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
         if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
             tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
             new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
-    requested, failed = accelerator.log_with, []
-    for tracker in requested:  # one at a time: a server that fails takes its own tracker only
-        accelerator.log_with, started = [tracker], accelerator.trackers[:]
+    requested, started, failed = accelerator.log_with, [], []
+    # One at a time, so that a server that fails takes its own tracker only; each alone in
+    # accelerator.trackers, as init_trackers starts every tracker there (a second wandb run, and
+    # MLflow's "already active" refusal, otherwise).
+    for tracker in requested:
+        accelerator.log_with, accelerator.trackers = [tracker], []
         try:
             accelerator.init_trackers(project, config=None, init_kwargs=init)
-            for new in accelerator.trackers[len(started):]:  # a resumed run keeps the parameters
-                if new.name == "wandb":  # it started with (MLflow refuses to change one)
+            for new in accelerator.trackers:  # a resumed run keeps the parameters it started
+                if new.name == "wandb":  # with (MLflow refuses to change one)
                     new.store_init_configuration(config)  # wandb keeps the nesting
                 elif new_run[new.name]:  # TensorBoard's hparams and MLflow's params are flat
                     new.store_init_configuration(flat_config(config))
+            started += accelerator.trackers
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
             failed.append(f"{_name(tracker)} did not start ({first_line(error)})")
-            _drop(accelerator, accelerator.trackers[len(started):])
-    accelerator.log_with = requested
+            _drop(accelerator, accelerator.trackers)
+    accelerator.log_with, accelerator.trackers = requested, started
     for why in failed:
         accelerator.print(f"warning: {why}; training goes on without "
                           f"{'it' if accelerator.trackers else 'tracking'}")
