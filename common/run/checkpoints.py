@@ -37,8 +37,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None:
     """The checkpoint with the highest step (at most ``up_to``), by its name only; unfinished
     temporary folders do not count. ``latest_good_checkpoint`` also checks its files."""
-    steps = all_checkpoints(output_dir, up_to)
-    return steps[0] if steps else None
+    return next(iter(all_checkpoints(output_dir, up_to)), None)
 
 
 def all_checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:

@@ -21,7 +21,6 @@ from common.run.checkpoints import (
     WROTE_CHECKPOINTS,
     all_checkpoints,
     checkpoint_problem,
-    latest_checkpoint,
     latest_good_checkpoint,
 )
 from common.run.lock import (
@@ -126,28 +125,36 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
                             f"complete one, or --output-dir {given.parent.parent} --resume for "
                             f"its newest complete checkpoint")
         if path != given.parent.parent:
-            check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
+            check_output_dir(path)  # continuing elsewhere: never into another run
         else:
             check_no_later_record(path, given)
         return str(given)
-    check_output_dir(path, resume)
     if not resume:
+        check_output_dir(path)
         return None
     checkpoint = _newest_complete(path, "--resume: ")
-    if checkpoint is None and (path / WROTE_CHECKPOINTS).exists():
+    if checkpoint is not None:
+        return checkpoint
+    # none at all
+    if (path / "model.safetensors").exists():
+        raise UserError(f"--resume: the run in {path} has finished (model.safetensors) and has no "
+                        f"checkpoint left to continue from; start a new run in another --output-dir")
+    if not (path / "config.json").exists():
+        raise UserError(f"--resume: no complete checkpoint in {path / CHECKPOINT_DIR}; start a new "
+                        f"run without --resume")
+    if (path / WROTE_CHECKPOINTS).exists():
         raise UserError(f"--resume: the run in {path} wrote checkpoints but none is left in "
                         f"{path / CHECKPOINT_DIR} ({_recorded_epochs(path) or 'no metrics.jsonl'})"
                         f": put them back, or start a new run in another --output-dir; nothing of "
                         f"the run was changed")
-    if checkpoint is None:
-        # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
-        # is continued, so this run may have other flags (a smaller --batch-size after running out
-        # of memory), and config.json must become this run's. The scripts write config.json when
-        # there is none: it is set aside here and put back if this run fails before writing its own.
-        os.replace(path / "config.json", path / SET_ASIDE)
-        print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
-              f"one): starting it again from step 0", file=sys.stderr, flush=True)
-    return checkpoint
+    # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
+    # is continued, so this run may have other flags (a smaller --batch-size after running out
+    # of memory), and config.json must become this run's. The scripts write config.json when
+    # there is none: it is set aside here and put back if this run fails before writing its own.
+    os.replace(path / "config.json", path / SET_ASIDE)
+    print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
+          f"one): starting it again from step 0", file=sys.stderr, flush=True)
+    return None
 
 
 def _newest_complete(path: Path, prefix: str) -> str | None:
@@ -188,27 +195,15 @@ def _recorded_epochs(path: Path) -> str:
     try:
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
-        last = records[-1]
         return (f"metrics.jsonl records {len(records)} epoch{'s' * (len(records) > 1)} to step "
-                f"{last['step']}")
+                f"{records[-1]['step']}")
     except (OSError, ValueError, IndexError, KeyError, TypeError):
         return ""
 
 
-def check_output_dir(output_dir: Path, resume: str | None) -> None:
-    """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a
-    run."""
-    if resume:  # the folder exists: the lock made it
-        if latest_checkpoint(output_dir) is None:
-            if (output_dir / "model.safetensors").exists():
-                raise UserError(f"--resume: the run in {output_dir} has finished "
-                                f"(model.safetensors) and has no checkpoint left to continue from; "
-                                f"start a new run in another --output-dir")
-            if not (output_dir / "config.json").exists():
-                raise UserError(f"--resume: no complete checkpoint in "
-                                f"{output_dir / CHECKPOINT_DIR}; start a new run without --resume")
-    elif output_dir.exists() and any(p.name != LOCK_FILE for p in output_dir.iterdir()):
+def check_output_dir(output_dir: Path) -> None:
+    """Never overwrite a run silently: a used folder needs --resume."""
+    if any(p.name != LOCK_FILE for p in output_dir.iterdir()):  # the lock made the folder
         what = "a run" if (output_dir / "config.json").exists() else "files"
         raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to "
                         f"continue it, or choose another --output-dir")
-
