@@ -138,7 +138,8 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     # none at all
     if (path / "model.safetensors").exists():
         raise UserError(f"--resume: the run in {path} has finished (model.safetensors) and has no "
-                        f"checkpoint left to continue from; start a new run in another --output-dir")
+                        f"checkpoint left to continue from; start a new run in another "
+                        f"--output-dir")
     if not (path / "config.json").exists():
         raise UserError(f"--resume: no complete checkpoint in {path / CHECKPOINT_DIR}; start a new "
                         f"run without --resume")
