@@ -109,15 +109,15 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     if message:
         fail_together(accelerator, message)  # one line, from the main process
     # nothing written yet, so bad input leaves nothing
-    return path, Path(checkpoint) if checkpoint else None
+    return path, checkpoint
 
 
 def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
-                       own_restart: bool) -> str | None:
+                       own_restart: bool) -> Path | None:
     """lock_run_and_find_resume's decision, on the main process, holding the lock; ``own_restart``:
     this job started again in the folder it took before."""
     if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
-        return _newest_complete(path, "") or (str(given) if given is not None else None)
+        return _newest_complete(path, "") or given
     if given is not None:
         problem = checkpoint_problem(given)
         if problem:
@@ -128,7 +128,7 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
             check_output_dir(path)  # continuing elsewhere: never into another run
         else:
             check_no_later_record(path, given)
-        return str(given)
+        return given
     if not resume:
         check_output_dir(path)
         return None
@@ -158,7 +158,7 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     return None
 
 
-def _newest_complete(path: Path, prefix: str) -> str | None:
+def _newest_complete(path: Path, prefix: str) -> Path | None:
     """The newest checkpoint that checkpoint_problem passes, with one line naming the damaged ones
     skipped; None when there is none at all; one line (UserError) when none is complete."""
     checkpoint, damaged = latest_good_checkpoint(path)
@@ -170,7 +170,7 @@ def _newest_complete(path: Path, prefix: str) -> str | None:
     if damaged:
         print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): "
               f"resuming from {checkpoint}, the newest complete one", file=sys.stderr, flush=True)
-    return str(checkpoint) if checkpoint else None
+    return checkpoint
 
 
 def check_no_later_record(path: Path, given: Path) -> None:

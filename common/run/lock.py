@@ -240,9 +240,8 @@ def _ended(holder: dict, me: dict) -> bool:
     if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
         return False  # another host: no way to know
     try:
-        os.kill(holder["pid"], 0)
+        with contextlib.suppress(PermissionError):  # it runs, as another user
+            os.kill(holder["pid"], 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False  # runs, as another user
     return False
