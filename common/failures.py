@@ -59,7 +59,7 @@ def agree(accelerator, mine: str | None) -> str | None:
 
 
 def from_main(accelerator, mine: str | None) -> str | None:
-    """The main process's failure (None: none), on every process. A collective."""
+    """The main process's failure (None: none), or other value, on every process. A collective."""
     if getattr(accelerator, "num_processes", 1) == 1:
         return mine
     return broadcast_object_list([mine])[0]

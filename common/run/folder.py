@@ -11,10 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
 from common.errors import UserError
-from common.failures import fail_together
+from common.failures import fail_together, from_main
 from common.run.checkpoints import (
     CHECKPOINT_DIR,
     STEP_DIR,
@@ -81,7 +79,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     else:
         path = new_run_dir(Path(script).stem)
     # processes started a second apart must agree
-    path = Path(broadcast_object_list([str(path)])[0])
+    path = from_main(accelerator, path)
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
         fix = (f"it is a run's folder: pass --output-dir {given} --resume for its newest "
                f"checkpoint" if (given / CHECKPOINT_DIR).is_dir() else
@@ -105,7 +103,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             if lock:
                 lock.release()
             decision[1] = error.message
-    checkpoint, message = broadcast_object_list(decision)  # every process has waited for the checks
+    checkpoint, message = from_main(accelerator, decision)  # all have waited for the checks
     if message:
         fail_together(accelerator, message)  # one line, from the main process
     # nothing written yet, so bad input leaves nothing
