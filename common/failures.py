@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, wait
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -58,7 +59,7 @@ def agree(accelerator, mine: str | None) -> str | None:
 
 
 def from_main(accelerator, mine: str | None) -> str | None:
-    """The main process's failure (None: none), on every process. A collective."""
+    """The main process's failure (None: none), or other value, on every process. A collective."""
     if getattr(accelerator, "num_processes", 1) == 1:
         return mine
     return broadcast_object_list([mine])[0]
@@ -174,9 +175,7 @@ def fail_alone(accelerator, message: str) -> None:
     """Stop every process for a failure that this process may meet alone, where the others may be
     inside collectives it will not join (save_state: FSDP2's gathers, --ema-decay's): ``message``
     said once, by the first process to fail, then every process exits 1 (the others through the
-    collective that loses this one, or the watch). With one process: a UserError, as ever."""
-    if getattr(accelerator, "num_processes", 1) == 1:
-        raise UserError(message)
+    collective that loses this one, or the watch). Several processes only: one has fail_together."""
     _claim_the_end()
     if _first(_store(), str(accelerator.process_index)):
         _own_line(accelerator)
@@ -193,21 +192,17 @@ def _store():
 def _bounded(seconds: float, call, *args):
     """``call(*args)`` waited for ``seconds`` at most, in a thread of its own (left behind if it
     does not return: the process is ending by then): its result, or its error, or TimeoutError."""
-    done = {}
+    done = Future()
 
     def run():
         try:
-            done["result"] = call(*args)
+            done.set_result(call(*args))
         except Exception as error:  # noqa: BLE001 - raised again below, in the caller's thread
-            done["error"] = error
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if "error" in done:
-        raise done["error"]
-    if "result" not in done:
+            done.set_exception(error)
+    threading.Thread(target=run, daemon=True).start()
+    if not wait([done], seconds).done:
         raise TimeoutError(f"no answer in {seconds:g} s")
-    return done["result"]
+    return done.result()
 
 
 def _first(store, me: str) -> bool:

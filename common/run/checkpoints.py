@@ -37,8 +37,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None:
     """The checkpoint with the highest step (at most ``up_to``), by its name only; unfinished
     temporary folders do not count. ``latest_good_checkpoint`` also checks its files."""
-    steps = all_checkpoints(output_dir, up_to)
-    return steps[0] if steps else None
+    return next(iter(all_checkpoints(output_dir, up_to)), None)
 
 
 def all_checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:
@@ -89,11 +88,8 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         return f"the folder cannot be read ({error.strerror})"
     if unlisted:
         return f"{MANIFEST} does not list {unlisted[0]}"
-    for name, size in files.items():
-        problem = _file_problem(checkpoint / name, size, digests.get(name))
-        if problem:
-            return f"{name} {problem}"
-    return None
+    return next((f"{name} {problem}" for name, size in files.items()
+                 if (problem := _file_problem(checkpoint / name, size, digests.get(name)))), None)
 
 
 def _state_files(checkpoint: Path) -> list[str]:
@@ -265,7 +261,7 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
     complete one before it, on every process (loading that one overwrites all that the failed load
     changed); one named by --resume stops the run with one line instead. One with a file that
     would run code (a pickle from elsewhere, or of an earlier version) stops it before that file
-    is read: common.run.data_only.
+    is read: common.data_only.
     """
     if checkpoint is None:
         return
@@ -285,26 +281,24 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
                 f"checkpoints of data only: resume one of theirs, or start a new run (one of an "
                 f"earlier version, with custom_checkpoint_N.pkl: continue it with that version, "
                 f"if you trust where it came from)"))
-        decision = [None, None]  # the checkpoint to load instead, or the line that stops the run
+        older = message = None  # the checkpoint to load instead, or the line that stops the run
         if accelerator.is_main_process:
             step = int(STEP_DIR.match(checkpoint.name).group(1))
             older, damaged = latest_good_checkpoint(checkpoint.parent.parent, up_to=step - 1)
             if named or older is None:
-                decision[1] = (f"--resume: {checkpoint} is damaged ({problem}) and no complete "
-                               f"checkpoint comes before it" if older is None else
-                               f"--resume {checkpoint}: the checkpoint is damaged ({problem}); "
-                               f"the newest complete one is {older}: continue from it with "
-                               f"--output-dir {older.parent.parent} --resume")
+                message = (f"--resume: {checkpoint} is damaged ({problem}) and no complete "
+                           f"checkpoint comes before it" if older is None else
+                           f"--resume {checkpoint}: the checkpoint is damaged ({problem}); "
+                           f"the newest complete one is {older}: continue from it with "
+                           f"--output-dir {older.parent.parent} --resume")
             else:
                 skipped = "".join(f"; {bad.name}: {why}" for bad, why in damaged.items())
                 print(f"warning: damaged checkpoint skipped ({checkpoint.name}: {problem}"
                       f"{skipped}): resuming from {older}, the newest complete one before it",
                       file=sys.stderr, flush=True)
-                decision[0] = str(older)
-        older, message = from_main(accelerator, decision[0]), from_main(accelerator, decision[1])
+        checkpoint, message = from_main(accelerator, (older, message))
         if message:
             fail_together(accelerator, message)
-        checkpoint = Path(older)
     progress.history = [m for m in progress.history if m["epoch_complete"]]
     accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, "
                       f"step {progress.step}")

@@ -11,17 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
 from common.errors import UserError
-from common.failures import fail_together
+from common.failures import fail_together, from_main
 from common.run.checkpoints import (
     CHECKPOINT_DIR,
     STEP_DIR,
     WROTE_CHECKPOINTS,
     all_checkpoints,
     checkpoint_problem,
-    latest_checkpoint,
     latest_good_checkpoint,
 )
 from common.run.lock import (
@@ -82,7 +79,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     else:
         path = new_run_dir(Path(script).stem)
     # processes started a second apart must agree
-    path = Path(broadcast_object_list([str(path)])[0])
+    path = from_main(accelerator, path)
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
         fix = (f"it is a run's folder: pass --output-dir {given} --resume for its newest "
                f"checkpoint" if (given / CHECKPOINT_DIR).is_dir() else
@@ -106,19 +103,19 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
             if lock:
                 lock.release()
             decision[1] = error.message
-    checkpoint, message = broadcast_object_list(decision)  # every process has waited for the checks
+    checkpoint, message = from_main(accelerator, decision)  # all have waited for the checks
     if message:
         fail_together(accelerator, message)  # one line, from the main process
     # nothing written yet, so bad input leaves nothing
-    return path, Path(checkpoint) if checkpoint else None
+    return path, checkpoint
 
 
 def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
-                       own_restart: bool) -> str | None:
+                       own_restart: bool) -> Path | None:
     """lock_run_and_find_resume's decision, on the main process, holding the lock; ``own_restart``:
     this job started again in the folder it took before."""
     if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
-        return _newest_complete(path, "") or (str(given) if given is not None else None)
+        return _newest_complete(path, "") or given
     if given is not None:
         problem = checkpoint_problem(given)
         if problem:
@@ -126,31 +123,40 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
                             f"complete one, or --output-dir {given.parent.parent} --resume for "
                             f"its newest complete checkpoint")
         if path != given.parent.parent:
-            check_output_dir(path, resume=None)  # continuing elsewhere: never into another run
+            check_output_dir(path)  # continuing elsewhere: never into another run
         else:
             check_no_later_record(path, given)
-        return str(given)
-    check_output_dir(path, resume)
+        return given
     if not resume:
+        check_output_dir(path)
         return None
     checkpoint = _newest_complete(path, "--resume: ")
-    if checkpoint is None and (path / WROTE_CHECKPOINTS).exists():
+    if checkpoint is not None:
+        return checkpoint
+    # none at all
+    if (path / "model.safetensors").exists():
+        raise UserError(f"--resume: the run in {path} has finished (model.safetensors) and has no "
+                        f"checkpoint left to continue from; start a new run in another "
+                        f"--output-dir")
+    if not (path / "config.json").exists():
+        raise UserError(f"--resume: no complete checkpoint in {path / CHECKPOINT_DIR}; start a new "
+                        f"run without --resume")
+    if (path / WROTE_CHECKPOINTS).exists():
         raise UserError(f"--resume: the run in {path} wrote checkpoints but none is left in "
                         f"{path / CHECKPOINT_DIR} ({_recorded_epochs(path) or 'no metrics.jsonl'})"
                         f": put them back, or start a new run in another --output-dir; nothing of "
                         f"the run was changed")
-    if checkpoint is None:
-        # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
-        # is continued, so this run may have other flags (a smaller --batch-size after running out
-        # of memory), and config.json must become this run's. The scripts write config.json when
-        # there is none: it is set aside here and put back if this run fails before writing its own.
-        os.replace(path / "config.json", path / SET_ASIDE)
-        print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
-              f"one): starting it again from step 0", file=sys.stderr, flush=True)
-    return checkpoint
+    # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
+    # is continued, so this run may have other flags (a smaller --batch-size after running out
+    # of memory), and config.json must become this run's. The scripts write config.json when
+    # there is none: it is set aside here and put back if this run fails before writing its own.
+    os.replace(path / "config.json", path / SET_ASIDE)
+    print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
+          f"one): starting it again from step 0", file=sys.stderr, flush=True)
+    return None
 
 
-def _newest_complete(path: Path, prefix: str) -> str | None:
+def _newest_complete(path: Path, prefix: str) -> Path | None:
     """The newest checkpoint that checkpoint_problem passes, with one line naming the damaged ones
     skipped; None when there is none at all; one line (UserError) when none is complete."""
     checkpoint, damaged = latest_good_checkpoint(path)
@@ -162,7 +168,7 @@ def _newest_complete(path: Path, prefix: str) -> str | None:
     if damaged:
         print(f"warning: damaged checkpoint{'s' * (len(damaged) > 1)} skipped ({found}): "
               f"resuming from {checkpoint}, the newest complete one", file=sys.stderr, flush=True)
-    return str(checkpoint) if checkpoint else None
+    return checkpoint
 
 
 def check_no_later_record(path: Path, given: Path) -> None:
@@ -188,27 +194,15 @@ def _recorded_epochs(path: Path) -> str:
     try:
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]
-        last = records[-1]
         return (f"metrics.jsonl records {len(records)} epoch{'s' * (len(records) > 1)} to step "
-                f"{last['step']}")
+                f"{records[-1]['step']}")
     except (OSError, ValueError, IndexError, KeyError, TypeError):
         return ""
 
 
-def check_output_dir(output_dir: Path, resume: str | None) -> None:
-    """Never overwrite a run silently: a used folder needs --resume, --resume needs the folder of a
-    run."""
-    if resume:  # the folder exists: the lock made it
-        if latest_checkpoint(output_dir) is None:
-            if (output_dir / "model.safetensors").exists():
-                raise UserError(f"--resume: the run in {output_dir} has finished "
-                                f"(model.safetensors) and has no checkpoint left to continue from; "
-                                f"start a new run in another --output-dir")
-            if not (output_dir / "config.json").exists():
-                raise UserError(f"--resume: no complete checkpoint in "
-                                f"{output_dir / CHECKPOINT_DIR}; start a new run without --resume")
-    elif output_dir.exists() and any(p.name != LOCK_FILE for p in output_dir.iterdir()):
+def check_output_dir(output_dir: Path) -> None:
+    """Never overwrite a run silently: a used folder needs --resume."""
+    if any(p.name != LOCK_FILE for p in output_dir.iterdir()):  # the lock made the folder
         what = "a run" if (output_dir / "config.json").exists() else "files"
         raise UserError(f"--output-dir {output_dir} already holds {what}: add --resume to "
                         f"continue it, or choose another --output-dir")
-

@@ -98,7 +98,6 @@ class RunLock:
     """The lock one job holds on its run folder; ``lock_run_folder`` takes it."""
 
     _held: list["RunLock"] = []  # released at exit, forgotten by forked children
-    _hooked = False
 
     def __init__(self, folder: Path):
         self.folder, self.path, self.fd = folder, folder / LOCK_FILE, None
@@ -149,11 +148,6 @@ class RunLock:
     def _hold(self, fd: int, me: dict) -> None:
         """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in
         it."""
-        if not RunLock._hooked:
-            atexit.register(RunLock._release_all)
-            # DataLoader workers must not release it
-            os.register_at_fork(after_in_child=RunLock._forget_all)
-            RunLock._hooked = True
         self.fd = fd
         RunLock._held.append(self)
         os.ftruncate(fd, 0)
@@ -172,11 +166,9 @@ class RunLock:
         job = this_job()
         if job is None or read_job(self.folder) == job:
             return
-        try:
-            with atomic_write(self.folder / JOB_FILE) as f:
-                f.write(f"{job}\n".encode())
-        except OSError:
-            pass  # then a restart gets the checks of a new start: it stops, it never guesses
+        # not written: a restart then gets the checks of a new start: it stops, it never guesses
+        with contextlib.suppress(OSError), atomic_write(self.folder / JOB_FILE) as f:
+            f.write(f"{job}\n".encode())
 
     def put_back_config(self) -> None:
         """The set-aside config.json back in place, unless a new one was written."""
@@ -190,22 +182,19 @@ class RunLock:
     def release(self) -> None:
         """Give the lock up: remove the file, then the folders made for it that stayed empty."""
         if self.fd is not None:
-            try:
+            # OSError: the folder was moved or removed while running: nothing of ours is left there
+            with contextlib.suppress(OSError):
                 self.put_back_config()
                 # Removed while still locked, and only if it is ours: a job that opened it meanwhile
                 # finds the name gone (acquire) and locks a new file.
                 if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
                     self.path.unlink()
-            except OSError:
-                pass  # the folder was moved or removed while running: nothing of ours is left there
             os.close(self.fd)
             self.fd = None
             RunLock._held.remove(self)
-        try:
+        with contextlib.suppress(OSError):
             if self.created and [p.name for p in self.folder.iterdir()] == [JOB_FILE]:
                 (self.folder / JOB_FILE).unlink()  # the run wrote nothing
-        except OSError:
-            pass
         for folder in self.created:
             try:
                 folder.rmdir()
@@ -222,6 +211,10 @@ class RunLock:
         for lock in RunLock._held:
             os.close(lock.fd)  # the child's copy only: the parent's descriptor keeps the lock
         RunLock._held.clear()
+
+
+atexit.register(RunLock._release_all)
+os.register_at_fork(after_in_child=RunLock._forget_all)  # DataLoader workers must not release it
 
 
 def _read_holder(path: Path, wait: bool = False) -> dict | None:
@@ -247,9 +240,8 @@ def _ended(holder: dict, me: dict) -> bool:
     if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
         return False  # another host: no way to know
     try:
-        os.kill(holder["pid"], 0)
+        with contextlib.suppress(PermissionError):  # it runs, as another user
+            os.kill(holder["pid"], 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False  # runs, as another user
     return False

@@ -25,12 +25,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's
 
 
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
-    """The final weights as a plain state dict in safetensors: loads into an unwrapped model.
-
-    ``metadata`` is what evaluation needs besides the weights (the model name, the class names, the
-    normalisation, the input size and its interpolation); values that are not strings are stored
-    as JSON (read_metadata).
-    """
+    """The final weights as a plain state dict in safetensors, which loads into an unwrapped model,
+    with ``metadata`` (what evaluation needs: save_final_weights), its values that are not strings
+    as JSON (read_metadata)."""
     state = {k: v.detach().cpu().contiguous()
              for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
     text = {key: value if isinstance(value, str) else json.dumps(value)
