@@ -98,6 +98,7 @@ class RunLock:
     """The lock one job holds on its run folder; ``lock_run_folder`` takes it."""
 
     _held: list["RunLock"] = []  # released at exit, forgotten by forked children
+    _hooked = False  # the hooks registered with the first lock taken: importing changes nothing
 
     def __init__(self, folder: Path):
         self.folder, self.path, self.fd = folder, folder / LOCK_FILE, None
@@ -148,6 +149,11 @@ class RunLock:
     def _hold(self, fd: int, me: dict) -> None:
         """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in
         it."""
+        if not RunLock._hooked:
+            atexit.register(RunLock._release_all)
+            # DataLoader workers must not release it
+            os.register_at_fork(after_in_child=RunLock._forget_all)
+            RunLock._hooked = True
         self.fd = fd
         RunLock._held.append(self)
         os.ftruncate(fd, 0)
@@ -211,10 +217,6 @@ class RunLock:
         for lock in RunLock._held:
             os.close(lock.fd)  # the child's copy only: the parent's descriptor keeps the lock
         RunLock._held.clear()
-
-
-atexit.register(RunLock._release_all)
-os.register_at_fork(after_in_child=RunLock._forget_all)  # DataLoader workers must not release it
 
 
 def _read_holder(path: Path, wait: bool = False) -> dict | None:
