@@ -99,33 +99,29 @@ def _cached(path: Path, build) -> ImageData:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock"):
-        return _load_or_build(path, build)
-
-
-def _load_or_build(path: Path, build) -> ImageData:
-    if path.exists():
-        try:
-            # Mapped, not read: pages come from the file as they are used, and a training script
-            # that moves the data to its GPU keeps no host copy.
-            return _saved(path)
-        except Exception as e:  # a truncated or foreign file only costs a rebuild
-            log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
-                        first_line(e))
-    data = build()
-    cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
-    why = None
-    try:
-        with atomic_write(path) as f:
+        if path.exists():
             try:
-                torch.save(vars(cached), f)
-            except RuntimeError as e:  # torch.save's way of saying the disk is full
-                why = why_not_written(e, path)  # while the partial file still takes its space
-                raise
-    except (OSError, RuntimeError) as e:
-        log.warning("could not write cache file %s (%s); the next run decodes again", path,
-                    why or why_not_written(e, path))
-        return data
-    return cached
+                # Mapped, not read: pages come from the file as they are used, and a training
+                # script that moves the data to its GPU keeps no host copy.
+                return _saved(path)
+            except Exception as e:  # a truncated or foreign file only costs a rebuild
+                log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
+                            first_line(e))
+        data = build()
+        cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
+        why = None
+        try:
+            with atomic_write(path) as f:
+                try:
+                    torch.save(vars(cached), f)
+                except RuntimeError as e:  # torch.save's way of saying the disk is full
+                    why = why_not_written(e, path)  # while the partial file still takes its space
+                    raise
+        except (OSError, RuntimeError) as e:
+            log.warning("could not write cache file %s (%s); the next run decodes again", path,
+                        why or why_not_written(e, path))
+            return data
+        return cached
 
 
 def _saved(path: Path) -> ImageData:

@@ -62,10 +62,6 @@ class TensorImages(Dataset):
         return self.images[index], self.labels[index]
 
 
-def _batch_as_is(batch):
-    return batch  # __getitems__ already returns the stacked batch
-
-
 def tensor_loader(images, labels, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
     """A DataLoader over tensors; training loaders drop the last partial batch.
 
@@ -73,5 +69,5 @@ def tensor_loader(images, labels, batch_size: int, shuffle: bool, seed: int = 0)
     would make a resumed run shuffle differently from an uninterrupted one.
     """
     return DataLoader(TensorImages(images, labels), batch_size=batch_size, shuffle=shuffle,
-                      drop_last=shuffle, collate_fn=_batch_as_is,
+                      drop_last=shuffle, collate_fn=lambda batch: batch,  # __getitems__ stacked it
                       generator=torch.Generator().manual_seed(seed))

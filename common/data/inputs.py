@@ -190,8 +190,9 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
                                interpolation=options.interpolation)
         return _on_device(options, accelerator.device, data, why, train)
     workers = options.workers
-    if workers is None:
-        workers = default_workers(local_processes(accelerator))
+    if workers is None:  # this node's processes (LOCAL_WORLD_SIZE) share its CPU cores
+        workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                     accelerator.num_processes)))
     # an unreadable image found by a worker: one line, not a traceback
     report_bad_images(training=train)
     # Augmentation happens in the workers, per sample; on the device only the normalisation (and
@@ -243,8 +244,3 @@ def _eval_split(options: DataOptions) -> dict | None:
     if not options.val_fraction:
         return None
     return {"val_fraction": options.val_fraction, "seed": options.seed}
-
-
-def local_processes(accelerator) -> int:
-    """The processes of this job on this node, which share its CPU cores."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

@@ -30,12 +30,9 @@ class BatchMix:
         self.num_classes, self.mixup, self.cutmix = num_classes, mixup, cutmix
         self.seed, self.process = seed, process
 
-    def __bool__(self) -> bool:
-        return bool(self.mixup or self.cutmix)
-
     def __call__(self, images: torch.Tensor, labels: torch.Tensor,
                  micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self:
+        if not (self.mixup or self.cutmix):
             return images, labels
         seed = (self.seed, micro_batch, self.process)
         rng = random.Random(sample_seed(*seed, 1))  # another stream than the crops' of this batch

@@ -4,7 +4,7 @@ expect.
     weights = find_weights(args.model, args.pretrained, args.pretrained_path)  # None: random init
     data = load_inputs(data_options(args, weights), accelerator)  # their size, mean and std
     model = build_model(args.model, data.num_classes, data.image_size)
-    tuned = fine_tune(model, weights, args.model, data.num_classes, args.freeze)  # for config.json
+    tuned = fine_tune(model, weights, args.model, data.num_classes, data.image_size, args.freeze)
 
 Where the weights come from:
 - ``timm:NAME --pretrained``: the Hugging Face cache (HF_HUB_CACHE, ~/.cache/huggingface/hub), the
@@ -30,6 +30,7 @@ the latter, which scripts/evaluate.py and a later --pretrained-path of the file 
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -106,7 +107,19 @@ def find_weights(model: str, pretrained: bool, path: str | None,
     another machine, or damaged: no other file would be accepted on resume)."""
     if (pretrained or path) and (recorded := _recorded_weights(checkpoint)) is not None:
         return recorded
-    return _find_weights(model, pretrained, path)
+    if path is not None:
+        file = Path(path).expanduser()
+        check_file("--pretrained-path", file, "pass a safetensors file or a torch state dict")
+        return Weights(file, "--pretrained-path", **_inputs_of_file(file, model))
+    if not pretrained:
+        return None
+    if model.startswith(TIMM_PREFIX):
+        return _timm_weights(model.removeprefix(TIMM_PREFIX))
+    if model.startswith(TORCHVISION_PREFIX):
+        return _torchvision_weights(model.removeprefix(TORCHVISION_PREFIX))
+    raise UserError(f"--pretrained: --model {model} has no published weights (a CIFAR-stem "
+                    f"ResNet of this project); pass --pretrained-path FILE (an earlier run's "
+                    f"model.safetensors), or a timm:NAME or torchvision:NAME model")
 
 
 def _recorded_weights(checkpoint: Path | None) -> Weights | None:
@@ -122,22 +135,6 @@ def _recorded_weights(checkpoint: Path | None) -> Weights | None:
                    tuple(normalization["mean"]) if normalization else None,
                    tuple(normalization["std"]) if normalization else None,
                    tuned.get("input_size"), tuned.get("interpolation"), recorded_only=True)
-
-
-def _find_weights(model: str, pretrained: bool, path: str | None) -> Weights | None:
-    if path is not None:
-        file = Path(path).expanduser()
-        check_file("--pretrained-path", file, "pass a safetensors file or a torch state dict")
-        return Weights(file, "--pretrained-path", **_inputs_of_file(file, model))
-    if not pretrained:
-        return None
-    if model.startswith(TIMM_PREFIX):
-        return _timm_weights(model.removeprefix(TIMM_PREFIX))
-    if model.startswith(TORCHVISION_PREFIX):
-        return _torchvision_weights(model.removeprefix(TORCHVISION_PREFIX))
-    raise UserError(f"--pretrained: --model {model} has no published weights (a CIFAR-stem "
-                    f"ResNet of this project); pass --pretrained-path FILE (an earlier run's "
-                    f"model.safetensors), or a timm:NAME or torchvision:NAME model")
 
 
 def _timm_weights(name: str) -> Weights:
@@ -317,16 +314,11 @@ def freeze_backbone(model: torch.nn.Module, num_classes: int) -> str:
     return f"--freeze backbone: {frozen:,} parameters frozen, {trained:,} trained (the head {head})"
 
 
-_FROZEN = {}
-
-
+@functools.cache
 def _frozen_class(cls: type) -> type:
     """``cls`` (a BatchNorm class) whose train() keeps it in eval mode: the same module and state
     dict, normalising with the running statistics it was given."""
-    if cls not in _FROZEN:
-        _FROZEN[cls] = type(f"Frozen{cls.__name__}", (cls,), {"train": _eval_only,
-                                                               "__module__": __name__})
-    return _FROZEN[cls]
+    return type(f"Frozen{cls.__name__}", (cls,), {"train": _eval_only, "__module__": __name__})
 
 
 def _eval_only(self, mode: bool = True):

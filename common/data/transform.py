@@ -34,14 +34,12 @@ class BatchTransform:
     (see common.data.stats.channel_stats), so any dataset gets its own normalisation.
     """
 
-    def __init__(self, mean, std, augment: bool = True, padding: int = PADDING,
-                 channels_last: bool = False, erase: float = 0.0,
-                 interpolation: str = "bilinear"):
+    def __init__(self, mean, std, augment: bool = True, channels_last: bool = False,
+                 erase: float = 0.0, interpolation: str = "bilinear"):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.augment = augment
         self.erase = erase  # --random-erase: the probability of erasing a rectangle of an image
-        self.padding = padding
         self.interpolation = interpolation  # of the random-resized crop's enlargement
         # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -54,19 +52,17 @@ class BatchTransform:
         uninterrupted run drew for that batch.
         """
         if not (self.augment or self.erase):
-            return self.normalize(images)
+            return self.eval(images)
         generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
         if self.augment and crop_mode(max(images.shape[-2:])) == "resized":
             images = self.resized_crop_and_flip(images, generator)
         elif self.augment:
             images = self.crop_and_flip(images, generator)
-        images = self.normalize(images)
+        images = self.eval(images)
         return erase_rectangles(images, self.erase, generator) if self.erase else images
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:
-        return self.normalize(images)
-
-    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalise a uint8 batch: what evaluation takes, and training after its augmentation."""
         # Moved once: a copy per batch would make the host wait for the GPU.
         if self.mean.device != images.device:
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
@@ -79,7 +75,7 @@ class BatchTransform:
 
     def crop_and_flip(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         b, c, h, w = images.shape
-        p, device = self.padding, images.device
+        p, device = PADDING, images.device
         padded = torch.nn.functional.pad(images, (p, p, p, p))  # zeros, as torchvision's RandomCrop
         top = torch.randint(0, 2 * p + 1, (b, 1), device=device, generator=generator)
         left = torch.randint(0, 2 * p + 1, (b, 1), device=device, generator=generator)

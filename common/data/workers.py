@@ -11,6 +11,7 @@ it does not depend on the number of workers, of processes or on where a resumed 
 """
 
 import atexit
+import functools
 import multiprocessing
 import os
 import random
@@ -35,20 +36,9 @@ def augment(image: torch.Tensor, size: int, rng: random.Random, policy=None,
     crop of crop_mode(size) and a horizontal flip half the time (``crop``; else the evaluation
     view), resized with ``interpolation``, then ``policy`` (RandAugment ...), whose draws from
     torch's generator are seeded from ``rng`` and leave that generator as it was."""
-    if crop:
-        image = crop_and_flip(image, size, rng, interpolation)
-    else:
+    if not crop:
         image = fit(image, size, interpolation)
-    if policy is None:
-        return image
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(rng.getrandbits(63))
-        return policy(image)
-
-
-def crop_and_flip(image: torch.Tensor, size: int, rng: random.Random,
-                  interpolation: str = "bilinear") -> torch.Tensor:
-    if crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
+    elif crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
         # zeros, as torchvision's RandomCrop
         image = v2.functional.pad(fit(image, size, interpolation), [PADDING])
         top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
@@ -57,7 +47,13 @@ def crop_and_flip(image: torch.Tensor, size: int, rng: random.Random,
         box = resized_crop_box(*image.shape[-2:], rng)
         image = v2.functional.resized_crop(image, *box, [size, size],
                                            INTERPOLATIONS[interpolation], antialias=True)
-    return v2.functional.horizontal_flip(image) if rng.random() < 0.5 else image
+    if crop and rng.random() < 0.5:
+        image = v2.functional.horizontal_flip(image)
+    if policy is None:
+        return image
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.getrandbits(63))
+        return policy(image)
 
 
 class SampleImages(Dataset):
@@ -83,11 +79,9 @@ class SampleImages(Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         image, read = self.read(index)  # read != index: a bad image skipped, the next in its place
-        if self.augment or self.policy:  # the same view whatever worker or process reads it
-            image = augment(image, self.size, random.Random(sample_seed(self.seed, epoch, index)),
-                            self.policy, crop=self.augment, interpolation=self.interpolation)
-        else:
-            image = fit(image, self.size, self.interpolation)
+        # the same view whatever worker or process reads it
+        rng = random.Random(sample_seed(self.seed, epoch, index))
+        image = augment(image, self.size, rng, self.policy, self.augment, self.interpolation)
         return image, int(self.split.labels[read])
 
     def read(self, index: int) -> tuple[torch.Tensor, int]:
@@ -171,17 +165,13 @@ class _WorkerInit:
         # else a stop signal to the whole job: the training process finishes its step and stops us
 
 
-_EXITING = None
-
-
+@functools.cache
 def _exiting():
     """A flag in shared memory that this process raises when it exits (atexit runs before
     multiprocessing terminates the workers still running)."""
-    global _EXITING
-    if _EXITING is None:
-        _EXITING = multiprocessing.RawValue("b", 0)
-        atexit.register(setattr, _EXITING, "value", 1)
-    return _EXITING
+    exiting = multiprocessing.RawValue("b", 0)
+    atexit.register(setattr, exiting, "value", 1)
+    return exiting
 
 
 def worker_loader(split, size: int, batch_size: int, train: bool, workers: int,
