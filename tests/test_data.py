@@ -448,7 +448,9 @@ def test_processes_that_start_together_decode_once(tmp_path):
 
 
 def _build_through_cache(folder, builds):
-
+    # A forked child of a process whose OpenMP threads have run (torch's earlier ops in this pytest
+    # process) hangs in its first parallel op: GNU OpenMP is not fork-safe. One thread, no pool.
+    torch.set_num_threads(1)
     from common.data import cache, synthetic
 
     def build():
