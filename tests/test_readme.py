@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from helpers import ROOT, make
-from test_copy_set import module_file, reached
+from test_copy_set import copy_set
 
 from common.cli import DEFAULT_LR, add_ddp_args, build_parser
 from common.recipe.optim import build_optimizer, build_scheduler
@@ -180,8 +180,8 @@ def test_the_copy_set_the_readme_gives_is_what_train_ddp_reaches():
     stated = COPY_SET.search(" ".join(README.split()))
     assert stated, "README.md no longer says '`train_ddp.py` (N lines) reaches M files of `common/`, about L lines'"
     script = ROOT / "scripts" / "train_ddp.py"
-    files = {module_file(module) for module in reached(script)}
-    lines = sum(len(path.read_text().splitlines()) for path in files)
+    files = copy_set(script)
+    lines = sum(files.values())
     script_lines = len(script.read_text().splitlines())
     said = [int(group.replace(",", "")) for group in stated.groups()]
     measured = (f"train_ddp.py has {script_lines} lines and reaches {len(files)} files of common/, "
