@@ -10,9 +10,8 @@ import torch
 from helpers import image_folder, run, weights
 from torchvision.transforms import v2
 
-from common.data.mixing import BatchMix
 from common.data.splits import TensorSplit
-from common.data.transform import BatchTransform, erase_rectangles
+from common.data.transform import BatchMix, BatchTransform, erase_rectangles
 from common.data.workers import SampleImages, augment
 
 

@@ -11,10 +11,9 @@ import torch
 from helpers import ROOT
 from torchvision.transforms import v2
 
-from common.data.crops import sample_seed
 from common.data.device import tensor_loader
 from common.data.stats import channel_stats
-from common.data.transform import BatchTransform, resized_crop_boxes
+from common.data.transform import BatchTransform, resized_crop_boxes, sample_seed
 from common.errors import UserError
 from common.files import atomic_write
 from common.observe.tracking import log_line

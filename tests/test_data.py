@@ -31,11 +31,10 @@ from torchvision.transforms import v2
 from bench.tools import write_cifar_pickles
 from common.data import decode, hub, options
 from common.data.cache import cache_name, cached_hub_data, load_image_data
-from common.data.crops import resized_crop_box, sample_seed
 from common.data.images import INTERPOLATIONS, fit
 from common.data.splits import ImageData, TensorSplit
 from common.data.synthetic import make_synthetic
-from common.data.transform import BatchTransform, resized_crop_boxes
+from common.data.transform import BatchTransform, resized_crop_box, resized_crop_boxes, sample_seed
 from common.data.workers import SampleImages
 from common.errors import UserError
 

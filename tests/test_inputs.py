@@ -43,13 +43,12 @@ from bench.tools import write_cifar_pickles
 from common.cli import build_parser, check_args
 from common.data import hub
 from common.data.cache import load_image_data
-from common.data.crops import resized_crop_box
 from common.data.flags import data_options
 from common.data.images import decode
 from common.data.inputs import load_inputs
 from common.data.sources import open_source
 from common.data.splits import ImageData
-from common.data.transform import resized_crop_boxes
+from common.data.transform import resized_crop_box, resized_crop_boxes
 from common.data.workers import SampleImages, augment, worker_loader
 from common.errors import UserError
 

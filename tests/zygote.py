@@ -14,7 +14,7 @@ it by SIGINT.
 The Hub, datasets and wandb are not imported here, so a child reads their settings from its own
 environment as a fresh process would. What a fork cannot give a child is its own string hash
 seed (drawn once, by the zygote), so set and dict orders that hang on it repeat from run to run;
-the scripts' random numbers do not (common.data.crops.sample_seed hashes ints, which is not salted).
+the scripts' random numbers do not (common.data.transform.sample_seed hashes ints, which is not salted).
 What python, torch and accelerate read while starting (PYTHON*, TORCH_LOGS, OMP_NUM_THREADS,
 TMPDIR ...) is the zygote's: helpers.execute starts a run that sets those differently cold.
 

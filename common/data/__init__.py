@@ -12,11 +12,10 @@
     decode      every image of a source decoded once, at one size
     cache       the decoded data cached on disk, one file per source, size and interpolation:
                 load_image_data
-    crops       the augmentation both loaders draw: the crop for a size, its box, per-sample seeds
     stats       per-channel normalisation statistics of the training images
-    transform   a uint8 batch to normalised float on the device, with batched crop, flip and
-                random erasing
-    mixing      MixUp and CutMix of a training batch, the labels turned into class shares
+    transform   the augmentation: the crop both loaders draw (its box, per-sample seeds); a uint8
+                batch to normalised float on the device, with batched crop, flip, random erasing,
+                MixUp and CutMix (the labels turned into class shares)
     device      the device loader: the decoded dataset held on the training device
     workers     the workers loader: DataLoader workers decode and augment a sample at a time
     choice      which loader (--loader auto): the decoded size against the memory budget

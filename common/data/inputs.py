@@ -23,16 +23,14 @@ import os
 
 from common.data.cache import cached_hub_data, load_image_data
 from common.data.choice import choose_loader
-from common.data.crops import crop_mode
 from common.data.decode import DEFAULT_IMAGE_SIZE, native_size
 from common.data.device import on_device, tensor_loader
 from common.data.flags import data_options
-from common.data.mixing import BatchMix
 from common.data.options import DataOptions
 from common.data.pretrained import find_weights
 from common.data.sources import carve_decoded, open_source
 from common.data.stats import channel_stats, sample_stats
-from common.data.transform import BatchTransform
+from common.data.transform import BatchMix, BatchTransform, crop_mode
 from common.data.workers import default_workers, report_bad_images, worker_loader
 from common.errors import UserError
 from common.failures import refused_together

@@ -1,25 +1,69 @@
-"""A uint8 batch to normalised float on the device, with batched random crop and flip.
+"""The augmentation: the crop both loaders draw, and a batch's on the device (crop, flip, mix).
 
 A batch arrives as uint8 (B, 3, H, W) from either loader and is turned into a normalised float
 batch in a few tensor operations on the device that trains. On the device path the crop and flip
 happen here too, for the whole batch at once: per-image PIL transforms on CPU workers were the
 bottleneck in the source articles (docs/benchmark: about 5,600 img/s with torchvision's CIFAR10
-pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores).
+pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores). The workers path crops one
+image at a time (common.data.workers, a box from ``resized_crop_box``); both follow the crop rules
+here (crop_mode, the boxes, per-sample seeds), so --loader does not change the recipe.
+
+MixUp and CutMix (--mixup, --cutmix, BatchMix): a training batch blended with itself in another
+order, its labels turned into the classes' shares, drawn from a seed per batch. MixUp (Zhang et al.
+2018, arXiv:1710.09412) blends whole images by a share lam ~ Beta(a, a); CutMix (Yun et al. 2019,
+arXiv:1905.04899) pastes a rectangle of 1 - lam of the area from the other image, and the labels
+follow the pasted area. With both on, one of the two per batch, each half the time, as timm's Mixup
+does. torchvision's v2.MixUp and v2.CutMix draw from the global random number generator; these draw
+from the batch's seed, so a resumed run mixes what the first one mixed. The shares are drawn on the
+host (Python's random) and the order on the device: no host-device synchronisation.
 """
 
 import math
+import random
 
 import torch
 
-from common.data.crops import (
-    CROP_RATIO,
-    CROP_SCALE,
-    CROP_TRIES,
-    PADDING,
-    centre_crop_box,
-    crop_mode,
-    sample_seed,
-)
+PAD_CROP_MAX_SIZE = 64  # images up to this size train with CIFAR's crop, larger with ImageNet's
+PADDING = 4  # CIFAR's crop pads by this much, as torchvision's CIFAR recipes
+CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop defaults
+CROP_TRIES = 10  # as RandomResizedCrop
+
+
+def crop_mode(size: int) -> str:
+    """'pad' (CIFAR: pad by 4, random crop, flip) for small images, else 'resized' (ImageNet:
+    random-resized crop, flip)."""
+    return "pad" if size <= PAD_CROP_MAX_SIZE else "resized"
+
+
+def centre_crop_box(height: int, width: int) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's box when none of its tries fits: the whole image, cut to the nearest
+    aspect ratio within CROP_RATIO, in the centre."""
+    h, w = height, width
+    if width / height < CROP_RATIO[0]:
+        h = round(width / CROP_RATIO[0])
+    elif width / height > CROP_RATIO[1]:
+        w = round(height * CROP_RATIO[1])
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def resized_crop_box(height: int, width: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of a random-resized crop, drawn as torchvision's RandomResizedCrop
+    draws it with its defaults: 8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform),
+    10 tries, else the largest centre crop within those ratios."""
+    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    for _ in range(CROP_TRIES):
+        area = height * width * rng.uniform(*CROP_SCALE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h, w = round(math.sqrt(area / aspect)), round(math.sqrt(area * aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    return centre_crop_box(height, width)
+
+
+def sample_seed(*key: int) -> int:
+    """A 63-bit seed from a tuple of ints, e.g. (run seed, step) or (run seed, epoch, index)."""
+    # hash() of a tuple of ints is the same in every process and run (no hash randomisation).
+    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class BatchTransform:
@@ -237,3 +281,48 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     top = torch.where(found, top, float(centre_top))
     left = torch.where(found, left, float(centre_left))
     return top, left, h, w
+
+
+class BatchMix:
+    """MixUp and/or CutMix of (normalised images, int64 labels) into (images, float class shares):
+
+        images, labels = data.mix(images, labels, micro_batch)   # as they are when both are off
+
+    drawn from (seed, micro-batch, process): each process of a job mixes its slice its own way."""
+
+    def __init__(self, num_classes: int, mixup: float = 0.0, cutmix: float = 0.0, seed: int = 0,
+                 process: int = 0):
+        self.num_classes, self.mixup, self.cutmix = num_classes, mixup, cutmix
+        self.seed, self.process = seed, process
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor,
+                 micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.mixup or self.cutmix):
+            return images, labels
+        seed = (self.seed, micro_batch, self.process)
+        rng = random.Random(sample_seed(*seed, 1))  # another stream than the crops' of this batch
+        generator = torch.Generator(images.device).manual_seed(sample_seed(*seed, 2))
+        order = torch.randperm(len(images), device=images.device, generator=generator)
+        shares = torch.nn.functional.one_hot(labels, self.num_classes).float()
+        use_cutmix = self.cutmix and (not self.mixup or rng.random() < 0.5)
+        lam = rng.betavariate(*(2 * [self.cutmix if use_cutmix else self.mixup]))
+        if use_cutmix:
+            images, lam = self._paste(images, order, lam, rng)
+        else:
+            images = images.lerp(images[order], 1 - lam)
+        layout = torch.channels_last if images.is_contiguous(
+            memory_format=torch.channels_last) and images.dim() == 4 else torch.contiguous_format
+        return images.contiguous(memory_format=layout), shares.lerp(shares[order], 1 - lam)
+
+    @staticmethod
+    def _paste(images, order, lam, rng) -> tuple[torch.Tensor, float]:
+        """The other image's rectangle of about 1 - lam of the area, centred at random and cut at
+        the borders; lam becomes the share of the area that stays."""
+        h, w = images.shape[-2:]
+        cut_h, cut_w = round(h * math.sqrt(1 - lam)), round(w * math.sqrt(1 - lam))
+        y, x = rng.randrange(h), rng.randrange(w)
+        top, bottom = max(y - cut_h // 2, 0), min(y + cut_h - cut_h // 2, h)
+        left, right = max(x - cut_w // 2, 0), min(x + cut_w - cut_w // 2, w)
+        mixed = images.clone()
+        mixed[..., top:bottom, left:right] = images[order][..., top:bottom, left:right]
+        return mixed, 1 - (bottom - top) * (right - left) / (h * w)

@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.transforms import v2
 
-from common.data.crops import PADDING, crop_mode, resized_crop_box, sample_seed
 from common.data.images import INTERPOLATIONS, BadImage, decode, fit
+from common.data.transform import PADDING, crop_mode, resized_crop_box, sample_seed
 
 # --auto-augment: torchvision's policies, one operation (or two) drawn per image
 POLICIES = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide}
