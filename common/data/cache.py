@@ -68,13 +68,7 @@ def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False,
     a run neither asks the Hub nor opens the `datasets` cache."""
     folder = Path(cache_dir or default_cache_dir())
     path = folder / cache_name(_hub_key(dataset), None, interpolation, skip_bad)
-    if not path.is_file():
-        return None
-    with FileLock(f"{path}.lock"):  # not while a first run is still writing it
-        try:
-            return _saved(path)
-        except Exception:  # unreadable: load_image_data says so and rebuilds it
-            return None
+    return _cached(path) if path.is_file() else None
 
 
 def cache_name(key: str, image_size: int | None, interpolation: str, skip_bad: bool) -> str:
@@ -90,8 +84,9 @@ def _hub_key(dataset: str) -> str:
     return f"hub-{hub_repo(dataset).replace('/', '--')}"
 
 
-def _cached(path: Path, build) -> ImageData:
-    """Load the cache file at `path`, or build the data, save it there atomically and return it.
+def _cached(path: Path, build=None) -> ImageData | None:
+    """Load the cache file at `path`, or build the data, save it there atomically and return it;
+    without ``build`` (cached_hub_data), None: load_image_data then says so and rebuilds it.
 
     Processes that start together (DDP) all call this: the first to take the file lock downloads
     and decodes, the others wait for the lock and then read its cache. A lock, not a collective
@@ -105,8 +100,11 @@ def _cached(path: Path, build) -> ImageData:
                 # script that moves the data to its GPU keeps no host copy.
                 return _saved(path)
             except Exception as e:  # a truncated or foreign file only costs a rebuild
-                log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
-                            first_line(e))
+                if build is not None:
+                    log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
+                                first_line(e))
+        if build is None:
+            return None
         data = build()
         cached = dataclasses.replace(data, source=f"{data.source} (cached at {path})")
         why = None
