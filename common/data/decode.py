@@ -24,18 +24,16 @@ def native_size(source: ImageSource, probes: int = 16) -> int | None:
     and of one size (CIFAR: 32), else None."""
     split = source.train
     if isinstance(split, TensorSplit):
-        h, w = split.images.shape[-2:]
-        return h if h == w else None
-    sizes = set()
-    for i in sorted({round(k * (len(split) - 1) / max(probes - 1, 1)) for k in range(probes)}):
-        try:
-            sizes.add(tuple(decode(split.encoded(i), split.name(i)).shape[-2:]))
-        except BadImage:
-            continue
-    if len(sizes) == 1:
-        h, w = sizes.pop()
-        return h if h == w else None
-    return None
+        sizes = {tuple(split.images.shape[-2:])}
+    else:
+        sizes = set()
+        for i in sorted({round(k * (len(split) - 1) / max(probes - 1, 1)) for k in range(probes)}):
+            try:
+                sizes.add(tuple(decode(split.encoded(i), split.name(i)).shape[-2:]))
+            except BadImage:
+                continue
+    squares = {h for h, w in sizes if h == w}
+    return squares.pop() if len(sizes) == 1 and squares else None
 
 
 def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = False,

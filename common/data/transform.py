@@ -163,8 +163,6 @@ class BatchTransform:
             j = torch.arange(side, device=images.device, dtype=torch.float32) + 0.5
             if mirrored is not None:
                 j = torch.where(mirrored.view(-1, 1), side - j, j)
-            else:
-                j = j.expand(b, side)
             source = start.view(-1, 1) + j * (length / side).view(-1, 1) - 0.5
             # Near its edges the resize reads the crop's edge pixels, not those beyond it.
             source = source.clamp(start.view(-1, 1), (start + length - 1).view(-1, 1))
