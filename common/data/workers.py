@@ -174,19 +174,16 @@ def _exiting():
     return exiting
 
 
-def worker_loader(split, size: int, batch_size: int, train: bool, workers: int,
-                  augment: bool = True, seed: int = 0, process: int = 0, pin_memory: bool = False,
-                  skip_bad: bool = False, auto_augment: str = "none",
-                  interpolation: str = "bilinear") -> DataLoader:
+def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, seed: int = 0,
+                  process: int = 0, pin_memory: bool = False, **sample) -> DataLoader:
     """A DataLoader of uint8 (B, 3, size, size) batches in channels_last memory, decoded by
-    ``workers`` processes, resized with ``interpolation``.
+    ``workers`` processes, each sample as SampleImages makes it (``sample``: its augment,
+    skip_bad, auto_augment and interpolation).
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
     keep every image in order. Workers stay up between epochs (persistent_workers).
     """
-    dataset = SampleImages(split, size, train=train, augment=augment, seed=seed, skip_bad=skip_bad,
-                           auto_augment=auto_augment, interpolation=interpolation)
-    return DataLoader(dataset, batch_size=batch_size,
+    return DataLoader(SampleImages(split, size, train, seed=seed, **sample), batch_size=batch_size,
                       sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0,
                       pin_memory=pin_memory, collate_fn=collate_channels_last,
