@@ -270,15 +270,13 @@ def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Gen
     fits = (h > 0) & (h <= height) & (w > 0) & (w <= width)
     first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 if none)
     h, w, found = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(dim=1)
-    centre_top, centre_left, centre_h, centre_w = centre_crop_box(height, width)  # if none fits
-    h, w = torch.where(found, h, float(centre_h)), torch.where(found, w, float(centre_w))
     place = torch.rand(count, 2, device=device, generator=generator)
     # 0 to height - h, each as likely (min: a draw just under 1 may round up to the next integer)
     top = torch.minimum((place[:, 0] * (height - h + 1)).floor(), height - h)
     left = torch.minimum((place[:, 1] * (width - w + 1)).floor(), width - w)
-    top = torch.where(found, top, float(centre_top))
-    left = torch.where(found, left, float(centre_left))
-    return top, left, h, w
+    centre = centre_crop_box(height, width)  # the box of the images none of whose tries fits
+    return tuple(torch.where(found, drawn, float(fallback))
+                 for drawn, fallback in zip((top, left, h, w), centre))
 
 
 class BatchMix:
