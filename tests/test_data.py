@@ -544,7 +544,7 @@ def test_fit_and_the_workers_crops_resize_with_the_interpolation_they_are_given(
 
 
 def test_the_decode_cache_is_keyed_by_the_interpolation_and_bilinear_keeps_its_name(
-        formats, source, tmp_path):
+        formats, source, tmp_path, monkeypatch):
     """A cache built bilinear is never read for bicubic (nor the other way), and bilinear's file
     names are those every earlier run wrote, so their caches stay valid."""
     assert cache_name("hub-uoft-cs--cifar10", None, "bilinear", False) == "hub-uoft-cs--cifar10.pt"
@@ -564,3 +564,7 @@ def test_the_decode_cache_is_keyed_by_the_interpolation_and_bilinear_keeps_its_n
     torch.save(vars(source), cache / "hub-uoft-cs--cifar10.pt")
     assert cached_hub_data("cifar10", str(cache)) is not None
     assert cached_hub_data("cifar10", str(cache), interpolation="bicubic") is None
+    # --cache-dir ~/...: written where cache_folder expands it, and found there (a quoted ~, or
+    # --cache-dir=~/..., reaches the script unexpanded)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cached_hub_data("cifar10", "~/cache") is not None

@@ -66,7 +66,7 @@ def cached_hub_data(dataset: str, cache_dir: str | None, skip_bad: bool = False,
                     interpolation: str = "bilinear") -> ImageData | None:
     """The Hub dataset as an earlier run decoded and cached it at its own size, else None: with it
     a run neither asks the Hub nor opens the `datasets` cache."""
-    folder = Path(cache_dir or default_cache_dir())
+    folder = Path(cache_dir or default_cache_dir()).expanduser()  # as cache_folder wrote it
     path = folder / cache_name(_hub_key(dataset), None, interpolation, skip_bad)
     return _cached(path) if path.is_file() else None
 
