@@ -77,12 +77,6 @@ class Weights:
         (INTERPOLATIONS), else bilinear."""
         return self.interpolation if self.interpolation in INTERPOLATIONS else "bilinear"
 
-    @property
-    def config(self) -> dict:
-        """What config.json records of them."""
-        return {"file": str(self.file), "source": self.source, "input_size": self.input_size,
-                "interpolation": self.interpolation, "normalization": self.normalization}
-
 
 def check_fine_tuning(pretrained: bool, path: str | None, freeze: str, head_lr_scale: float):
     """The fine-tuning flags: weights from one place, a frozen backbone only of pretrained weights,
@@ -242,7 +236,9 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
     loaded = (f"weights of {weights.source} not read{gone}: the checkpoint resumed holds the "
               f"trained ones" if weights.recorded_only
               else load_pretrained(model, weights, model_name, num_classes))
-    done = {**weights.config, "loaded": loaded}
+    done = {"file": str(weights.file), "source": weights.source, "input_size": weights.input_size,
+            "interpolation": weights.interpolation, "normalization": weights.normalization,
+            "loaded": loaded}  # what config.json records of them, and what was done
     if weights.input_size and image_size != weights.input_size:
         done["loaded"] += (f"; warning: the weights were trained on {weights.input_size} px "
                            f"images and --image-size {image_size} differs: accuracy may suffer")
@@ -300,17 +296,15 @@ def freeze_backbone(model: torch.nn.Module, num_classes: int) -> str:
     from each batch. Call it before the optimizer is built and before prepare, so the optimizer
     holds the head only and DDP needs no find_unused_parameters. The line that says so."""
     head = classifier_name(model, num_classes)
-    frozen = 0
-    for name, parameter in model.named_parameters():
-        if not name.startswith(f"{head}."):
-            parameter.requires_grad_(False)
-            frozen += parameter.numel()
+    model.requires_grad_(False)
+    model.get_submodule(head).requires_grad_(True)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and \
                 not name.startswith(f"{head}."):
             module.__class__ = _frozen_class(type(module))
             module.eval()
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters()) - trained
     return f"--freeze backbone: {frozen:,} parameters frozen, {trained:,} trained (the head {head})"
 
 
@@ -318,8 +312,7 @@ def freeze_backbone(model: torch.nn.Module, num_classes: int) -> str:
 def _frozen_class(cls: type) -> type:
     """``cls`` (a BatchNorm class) whose train() keeps it in eval mode: the same module and state
     dict, normalising with the running statistics it was given."""
-    return type(f"Frozen{cls.__name__}", (cls,), {"train": _eval_only, "__module__": __name__})
+    def train(self, mode: bool = True):
+        return torch.nn.Module.train(self, False)
 
-
-def _eval_only(self, mode: bool = True):
-    return torch.nn.Module.train(self, False)
+    return type(f"Frozen{cls.__name__}", (cls,), {"train": train, "__module__": __name__})

@@ -27,8 +27,7 @@ def channel_stats(images, chunk_bytes: int = 2**27):
                              f"{tuple(images.shape)}")
         chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
         parts = images.split(chunk)
-    total = total_sq = 0
-    count = 0
+    total = total_sq = count = 0
     for part in parts:
         part = part.to(torch.float64)
         dims = (0, 2, 3) if part.ndim == 4 else (1, 2)

@@ -196,8 +196,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
         signal.signal(stop_signal, signal.SIG_IGN)
     # For a launcher that asks (STOP_RECORDS_VARIABLE): a record that cannot be written costs the
     # job a restart it could have had for free.
-    folder = os.environ.get(STOP_RECORDS_VARIABLE)
-    if folder:
+    if folder := os.environ.get(STOP_RECORDS_VARIABLE):
         try:
             (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(
                 os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -57,9 +57,6 @@ class WeightAverage:
                 self.sharded.append(sharded)
         save_as_data(accelerator, self, "weight_average")
 
-    def __bool__(self) -> bool:
-        return bool(self.decay)
-
     @torch.no_grad()
     def update(self) -> None:
         """Move the average towards the model's weights after an optimizer step."""

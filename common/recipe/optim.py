@@ -63,13 +63,11 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
     """
     # A warm-up as long as the run leaves one step of decay: OneCycleLR needs both phases.
     warmup_steps = min(round(warmup_epochs * steps_per_epoch), total_steps - 1)
-    if warmup_steps == 1 and schedule == "onecycle":
-        warmup_steps = 0  # OneCycleLR divides by the warm-up's length - 1
-    if schedule == "onecycle":
+    if schedule == "onecycle":  # OneCycleLR divides by the warm-up's length - 1: none, not 1
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=[group["lr"] for group in optimizer.param_groups],
-            total_steps=total_steps,
-            pct_start=warmup_steps / total_steps, anneal_strategy="cos", cycle_momentum=False)
+            total_steps=total_steps, pct_start=(warmup_steps != 1) * warmup_steps / total_steps,
+            anneal_strategy="cos", cycle_momentum=False)
     milestone_steps = sorted(m * steps_per_epoch for m in milestones)
 
     def factor(step: int) -> float:
@@ -85,10 +83,9 @@ def set_peak_lr(optimizer, scheduler, peak_lr: float, say=print) -> None:
     start, the floor of the decay, the current one) scales with it, and the schedule goes on from
     the step it was at; ``say`` tells the change, in one line. Nothing changes for a new run."""
     group = optimizer.param_groups[0]
-    old = group.get("max_lr", group.get("initial_lr"))  # OneCycleLR's peak, LambdaLR's base lr
-    if old is not None:
-        old /= group.get("lr_scale", 1.0)  # --head-lr-scale: the group's share of the peak
-    if old is None or math.isclose(old, peak_lr, rel_tol=1e-9):
+    # OneCycleLR's peak or LambdaLR's base lr, over the group's share of it (--head-lr-scale)
+    old = group.get("max_lr", group["initial_lr"]) / group.get("lr_scale", 1.0)
+    if math.isclose(old, peak_lr, rel_tol=1e-9):
         return
     factor = peak_lr / old
     for group in optimizer.param_groups:
