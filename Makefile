@@ -63,7 +63,7 @@ gpu-wheels: $(BIN)/.installed
 # pytest-xdist workers, a file each at a time, the tests that launch at a launcher's default port
 # one at a time (tests/conftest.py): on 2 cores the third fills the time the others spend waiting
 # (a tracker's bound, a timeout, a job starting), 945 s against 1,039 s with two when measured. The
-# whole suite on 2 cores since: 579 s when nothing else runs, 704 s beside other work (the README
+# whole suite on 2 cores since: 632 s when nothing else runs, 887 s beside other work (the README
 # gives both in minutes; tests/test_docs.py holds them to these figures).
 test: $(BIN)/.installed
 	$(BIN)/python -m compileall -q common bench scripts > /dev/null
