@@ -58,8 +58,8 @@ def agree(accelerator, mine: str | None) -> str | None:
     return next((why for why in gather_object([mine]) if why), None)
 
 
-def from_main(accelerator, mine: str | None) -> str | None:
-    """The main process's failure (None: none), or other value, on every process. A collective."""
+def from_main(accelerator, mine):
+    """The main process's ``mine`` (a failure, None, a value it chose) everywhere. A collective."""
     if getattr(accelerator, "num_processes", 1) == 1:
         return mine
     return broadcast_object_list([mine])[0]

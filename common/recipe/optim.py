@@ -66,8 +66,8 @@ def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch:
     if schedule == "onecycle":  # OneCycleLR divides by the warm-up's length - 1: none, not 1
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=[group["lr"] for group in optimizer.param_groups],
-            total_steps=total_steps, pct_start=(warmup_steps != 1) * warmup_steps / total_steps,
-            anneal_strategy="cos", cycle_momentum=False)
+            total_steps=total_steps, anneal_strategy="cos", cycle_momentum=False,
+            pct_start=(0 if warmup_steps == 1 else warmup_steps) / total_steps)
     milestone_steps = sorted(m * steps_per_epoch for m in milestones)
 
     def factor(step: int) -> float:
