@@ -40,8 +40,7 @@ def profile_steps(spec: str | None) -> tuple[int, int] | None:
     if not found or int(found.group(2)) < 1:
         raise UserError(f"--profile {spec}: give the number of steps to trace, e.g. 5, or the "
                         f"steps to skip first and the number to trace, e.g. 20:5")
-    skip = int(found.group(1)) if found.group(1) is not None else SKIP_STEPS
-    return skip, int(found.group(2))
+    return int(found.group(1) or SKIP_STEPS), int(found.group(2))  # no S: SKIP_STEPS ("0" is an S)
 
 
 class StepProfiler:
