@@ -234,14 +234,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     check_data_args(args)
     check_augment_args(args)
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
-                "--keep-checkpoints": args.keep_checkpoints,
-                "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
-                "--grad-accum": args.grad_accum, "--checkpoint-every": args.checkpoint_every,
-                "--max-steps": args.max_steps}  # the last two: None, not given
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: must be 1 or more")
+    for dest in ("epochs", "batch_size", "keep_checkpoints", "log_every", "reference_batch_size",
+                 "grad_accum", "checkpoint_every", "max_steps"):  # the last two: None, not given
+        if (value := getattr(args, dest)) is not None and value < 1:
+            raise UserError(f"--{dest.replace('_', '-')} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)
     if "none" in args.report_to and len(args.report_to) > 1:
