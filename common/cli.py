@@ -234,14 +234,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Reject values argparse cannot: one line naming the flag, the value and what to do."""
     check_data_args(args)
     check_augment_args(args)
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size,
-                "--keep-checkpoints": args.keep_checkpoints,
-                "--log-every": args.log_every, "--reference-batch-size": args.reference_batch_size,
-                "--grad-accum": args.grad_accum, "--checkpoint-every": args.checkpoint_every,
-                "--max-steps": args.max_steps}  # the last two: None, not given
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: must be 1 or more")
+    for dest in ("epochs", "batch_size", "keep_checkpoints", "log_every", "reference_batch_size",
+                 "grad_accum", "checkpoint_every", "max_steps"):  # the last two: None, not given
+        if (value := getattr(args, dest)) is not None and value < 1:
+            raise UserError(f"--{dest.replace('_', '-')} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)
     if "none" in args.report_to and len(args.report_to) > 1:
@@ -252,35 +248,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--batch-size {args.batch_size} does not divide into --grad-accum "
                         f"{args.grad_accum} micro-batches: use "
                         f"{f'{below} or ' if below else ''}{below + args.grad_accum}")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise UserError(f"--seed {args.seed}: must be from 0 to {MAX_SEED} "
-                        f"(numpy's seeds are 32-bit)")
     # Written so that NaN fails each test (every comparison with NaN is False). The optimizer
     # computes in float32: a larger lr or weight decay (the peak lr, after --scale-lr) stops its
     # first step with "value cannot be converted to type float without overflow".
     scale = args.batch_size / args.reference_batch_size if args.scale_lr else 1
-    if args.lr is not None and not 0 < args.lr * max(scale, 1) <= FLOAT32_MAX:
-        raise UserError(f"--lr {args.lr}: must be a positive number, e.g. "
-                        f"{DEFAULT_LR[args.optimizer]}, at most {FLOAT32_MAX:.3g} "
-                        f"(float32's largest) once scaled by --scale-lr")
-    if args.clip_grad is not None and not 0 < args.clip_grad < math.inf:
-        raise UserError(f"--clip-grad {args.clip_grad}: must be a positive number, e.g. 1.0")
-    # torch's SGD refuses Nesterov without momentum; 1 or more diverges
-    if not 0 < args.momentum < 1:
-        raise UserError(f"--momentum {args.momentum}: must be above 0 (Nesterov needs some) and "
-                        f"below 1, e.g. 0.9")
-    if not 0 <= args.weight_decay <= FLOAT32_MAX:
-        raise UserError(f"--weight-decay {args.weight_decay}: must be a number, 0 (none) or more, "
-                        f"at most {FLOAT32_MAX:.3g} (float32's largest)")
-    if not 0 <= args.label_smoothing < 1:  # 1 would train towards uniform targets
-        raise UserError(f"--label-smoothing {args.label_smoothing}: must be 0 (none) or more "
-                        f"and below 1")
-    if not 0 <= args.ema_decay < 1:
-        raise UserError(f"--ema-decay {args.ema_decay}: must be 0 (none) or more and below 1, e.g. "
-                        f"0.999")
-    if not 0 <= args.warmup_epochs <= args.epochs:
-        raise UserError(f"--warmup-epochs {args.warmup_epochs}: must be a number of epochs from 0 "
-                        f"to --epochs {args.epochs}")
+    ranges = [
+        ("--seed", args.seed, 0 <= args.seed <= MAX_SEED,
+         f"from 0 to {MAX_SEED} (numpy's seeds are 32-bit)"),
+        ("--lr", args.lr, args.lr is None or 0 < args.lr * max(scale, 1) <= FLOAT32_MAX,
+         f"a positive number, e.g. {DEFAULT_LR[args.optimizer]}, at most {FLOAT32_MAX:.3g} "
+         f"(float32's largest) once scaled by --scale-lr"),
+        ("--clip-grad", args.clip_grad, args.clip_grad is None or 0 < args.clip_grad < math.inf,
+         "a positive number, e.g. 1.0"),
+        # torch's SGD refuses Nesterov without momentum; 1 or more diverges
+        ("--momentum", args.momentum, 0 < args.momentum < 1,
+         "above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
+        ("--weight-decay", args.weight_decay, 0 <= args.weight_decay <= FLOAT32_MAX,
+         f"a number, 0 (none) or more, at most {FLOAT32_MAX:.3g} (float32's largest)"),
+        ("--label-smoothing", args.label_smoothing, 0 <= args.label_smoothing < 1,
+         "0 (none) or more and below 1"),  # 1 would train towards uniform targets
+        ("--ema-decay", args.ema_decay, 0 <= args.ema_decay < 1,
+         "0 (none) or more and below 1, e.g. 0.999"),
+        ("--warmup-epochs", args.warmup_epochs, 0 <= args.warmup_epochs <= args.epochs,
+         f"a number of epochs from 0 to --epochs {args.epochs}")]
+    for flag, value, in_range, what in ranges:
+        if not in_range:
+            raise UserError(f"{flag} {value}: must be {what}")
     if args.schedule == "step":
         check_milestones(args.milestones, args.epochs)
     timeout = getattr(args, "dist_timeout", None)  # DDP's and AMP's flag

@@ -40,8 +40,7 @@ def profile_steps(spec: str | None) -> tuple[int, int] | None:
     if not found or int(found.group(2)) < 1:
         raise UserError(f"--profile {spec}: give the number of steps to trace, e.g. 5, or the "
                         f"steps to skip first and the number to trace, e.g. 20:5")
-    skip = int(found.group(1)) if found.group(1) is not None else SKIP_STEPS
-    return skip, int(found.group(2))
+    return int(found.group(1) or SKIP_STEPS), int(found.group(2))  # no S: SKIP_STEPS ("0" is an S)
 
 
 class StepProfiler:
@@ -108,12 +107,10 @@ def per_step_table(averages, steps: int, gpu: bool) -> str:
     """The top ROWS operations of torch.profiler's ``averages`` (key_averages) by self time per
     step on the device that trains: calls and self CPU / GPU time (microseconds) per step, and the
     steps' totals."""
-    events = [e for e in averages if not e.key.startswith("ProfilerStep")]
-    events.sort(key=lambda e: e.self_device_time_total if gpu else e.self_cpu_time_total,
-                reverse=True)
-    rows = [(e.key, e.count, e.self_cpu_time_total, e.self_device_time_total) for e in events]
+    rows = [(e.key, e.count, e.self_cpu_time_total, e.self_device_time_total) for e in averages
+            if not e.key.startswith("ProfilerStep")]
     total = ("all ops", *(sum(row[i] for row in rows) for i in (1, 2, 3)))
-    return _table("op", 44, "calls", [*rows[:ROWS], total], steps, gpu)
+    return _table("op", 44, "calls", rows, steps, gpu, last=total)
 
 
 def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
@@ -138,18 +135,18 @@ def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
         row[2] += event.self_device_time_total
     if set(rows) <= {None}:
         return None
-    order = sorted(rows.items(), key=lambda item: item[1][2 if gpu else 1], reverse=True)
-    top = [(caller or "no Python caller", *row) for caller, row in order[:ROWS]]
-    return _table("called from the loop", 56, "ops", top, steps, gpu)
+    named = [(caller or "no Python caller", *row) for caller, row in rows.items()]
+    return _table("called from the loop", 56, "ops", named, steps, gpu)
 
 
-def _table(first: str, width: int, count: str, rows, steps: int, gpu: bool) -> str:
-    """``rows`` of (name, count, self CPU us, self GPU us) over ``steps`` as a table, per step; the
-    GPU column only if ``gpu``."""
+def _table(first: str, width: int, count: str, rows, steps: int, gpu: bool, last=None) -> str:
+    """``rows`` of (name, count, self CPU us, self GPU us) over ``steps`` as a table, per step: the
+    top ROWS by the training device's time, then ``last``; the GPU column only if ``gpu``."""
     header = f"{first:<{width}} {count:>7} {'self CPU us':>12}"
     header += f" {'self GPU us':>12}" if gpu else ""
     lines = [header, "-" * len(header)]
-    for name, calls, cpu, device in rows:
+    top = sorted(rows, key=lambda row: row[3 if gpu else 2], reverse=True)[:ROWS]
+    for name, calls, cpu, device in [*top, last] if last else top:
         line = f"{name[:width]:<{width}} {calls / steps:>7.1f} {cpu / steps:>12.1f}"
         lines.append(line + (f" {device / steps:>12.1f}" if gpu else ""))
     return "\n".join(lines)

@@ -110,15 +110,14 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
         init["wandb"], offline = _wandb_init(accelerator, output_dir, progress, name, tags, group)
     if "mlflow" in names:
         init["mlflow"], new_run["mlflow"] = _mlflow_init(accelerator, output_dir, progress, name)
-    for tracker in accelerator.log_with:
-        if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
-            tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
-            new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
     requested, started, failed = accelerator.log_with, [], []
     # One at a time, so that a server that fails takes its own tracker only; each alone in
     # accelerator.trackers, as init_trackers starts every tracker there (a second wandb run, and
     # MLflow's "already active" refusal, otherwise).
     for tracker in requested:
+        if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
+            tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
+            new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
         accelerator.log_with, accelerator.trackers = [tracker], []
         try:
             accelerator.init_trackers(project, config=None, init_kwargs=init)

@@ -15,7 +15,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
+from accelerate import PartialState
+from accelerate.utils import gather_object
 
 from common.errors import first_line
 from common.units import GB
@@ -75,7 +76,7 @@ def process_gpus(device: torch.device) -> list[torch.device]:
     visible one when it is alone (DataParallel's replicas); none on a CPU."""
     if device.type != "cuda":
         return []
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if PartialState().num_processes > 1:
         return [device]
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
@@ -86,12 +87,9 @@ def utilisation_figures(busy: GpuBusy) -> dict:
     if not busy.devices:  # a CPU: the same on every process of the job
         return {"gpu_util_absent": busy.why_absent}
     mine = [busy.why_absent] if busy.why_absent else busy.means() or ["no NVML sample yet"]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)  # every process, NVML or not: no one waits alone
-        mine = [value for values in everyone for value in values]
-    why = next((value for value in mine if isinstance(value, str)), None)
-    return {"gpu_util_absent": why} if why else {"gpu_util_pct": mine}
+    job = gather_object(mine)  # in process order; every process, NVML or not: no one waits alone
+    why = next((value for value in job if isinstance(value, str)), None)
+    return {"gpu_util_absent": why} if why else {"gpu_util_pct": job}
 
 
 def peak_memory(accelerator) -> dict[str, list[float]]:
