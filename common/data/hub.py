@@ -15,6 +15,7 @@ import torch
 from common.data.splits import EVAL_SPLITS, ImageSource
 from common.errors import UserError, first_line
 
+# The Hub repository of a --dataset: uoft-cs/... for cifar10 and cifar100, else the name itself
 HUB_REPOS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
 
 
@@ -109,15 +110,10 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
                        classes, f"{source}; evaluated on {evaluated[0]}")
 
 
-def hub_repo(dataset: str) -> str:
-    """The Hub repository of ``dataset``: uoft-cs/... for cifar10 and cifar100, else itself."""
-    return HUB_REPOS.get(dataset, dataset)
-
-
 def download(dataset: str) -> ImageSource:
     import datasets  # imported here: it takes a second, and only some sources need it
 
-    repo = hub_repo(dataset)
+    repo = HUB_REPOS.get(dataset, dataset)
     offline = datasets.config.HF_HUB_OFFLINE or not _hub_reachable(datasets.config.HF_ENDPOINT)
     try:
         # `datasets` reads HF_HUB_OFFLINE once, when imported, and the scripts import it before we
