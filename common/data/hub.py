@@ -84,8 +84,7 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
         if label_col not in splits[split].column_names:
             return None
         values = splits[split].with_format("arrow")[label_col]
-        return torch.from_numpy(
-            np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64).copy())
+        return torch.from_numpy(values.to_numpy(zero_copy_only=False).astype(np.int64))  # a copy
     evaluated = None
     for name in EVAL_SPLITS:
         found = labels(name) if name in splits else None
