@@ -85,12 +85,9 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
             return None
         values = splits[split].with_format("arrow")[label_col]
         return torch.from_numpy(values.to_numpy(zero_copy_only=False).astype(np.int64))  # a copy
-    evaluated = None
-    for name in EVAL_SPLITS:
-        found = labels(name) if name in splits else None
-        if found is not None and len(found) and (found >= 0).all():
-            evaluated = name, found
-            break
+    labelled = ((name, labels(name)) for name in EVAL_SPLITS if name in splits)  # read lazily
+    evaluated = next(((name, found) for name, found in labelled
+                      if found is not None and len(found) and (found >= 0).all()), None)
     train_labels = labels("train")
     if isinstance(features[label_col], datasets.ClassLabel):
         classes = list(features[label_col].names)
