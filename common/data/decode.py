@@ -87,5 +87,4 @@ def fit_all(images: torch.Tensor, size: int, interpolation: str = "bilinear",
     as its images one by one do)."""
     if images.shape[-2:] == (size, size):
         return images
-    return torch.cat([fit(images[start:start + chunk], size, interpolation)
-                      for start in range(0, len(images), chunk)]).contiguous()
+    return torch.cat([fit(part, size, interpolation) for part in images.split(chunk)]).contiguous()
