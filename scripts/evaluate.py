@@ -25,7 +25,8 @@ from accelerate import Accelerator
 from common.cli import Parser
 from common.data.flags import add_data_args, check_data_args, data_options
 from common.data.images import INTERPOLATIONS
-from common.data.inputs import load_test_inputs
+from common.data.inputs import Inputs, loaders
+from common.data.options import DataOptions
 from common.errors import UserError
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model, check_model_name
@@ -50,6 +51,19 @@ def parse_args(argv=None):
     if args.model is not None:
         check_model_name(args.model)
     return args
+
+
+def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, batch_size: int,
+                     eval_split: dict | None, normalization: dict | None) -> Inputs:
+    """The evaluation loader alone (train_loader None), for weights trained at ``image_size`` with
+    ``normalization`` (None: the statistics of the training images) on the split ``eval_split``
+    names (a training run's --val-fraction and --seed) or the data's own test split."""
+    eval_split = eval_split or {}
+    options = dataclasses.replace(
+        options, image_size=image_size, batch_size=batch_size, grad_accum=1,
+        normalization=normalization, seed=eval_split.get("seed", 0),
+        val_fraction=options.val_fraction or eval_split.get("val_fraction"))
+    return loaders(options, accelerator, train=False)
 
 
 def main(args):

@@ -11,6 +11,7 @@ for evaluate.py and a later --pretrained-path, a frozen backbone and its BatchNo
 not move, the parameter groups, and one line for each way the weights can be missing or wrong.
 """
 
+import importlib.util
 import json
 import re
 import shutil
@@ -30,7 +31,7 @@ from torchvision.io import decode_image
 from common.cli import build_parser
 from common.data.flags import data_options
 from common.data.images import fit
-from common.data.inputs import load_inputs, load_test_inputs
+from common.data.inputs import load_inputs
 from common.data.pretrained import Weights, find_weights, fine_tune
 from common.data.stats import channel_stats
 from common.errors import UserError
@@ -212,6 +213,9 @@ def test_both_loaders_resize_with_the_weights_interpolation(place, tmp_path):
     expected = torch.stack([fit(image, 32, "bicubic") for image in test])
     assert (expected.int() - torch.stack([fit(image, 32) for image in test]).int()).abs().max() > 2
     accelerator = Accelerator(cpu=True)
+    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)  # imports and definitions only: main() runs under __main__
     for loader in ("device", "workers"):
         args = build_parser("test").parse_args(
             [*FLAGS, "--data-dir", str(folder), "--batch-size", "3", "--loader", loader,
@@ -219,7 +223,7 @@ def test_both_loaders_resize_with_the_weights_interpolation(place, tmp_path):
         options = data_options(args, weights)
         data = load_inputs(options, accelerator)
         assert data.config["interpolation"] == "bicubic" and "32px (bicubic)" in data.line
-        evaluated = load_test_inputs(options, accelerator, 32, 3, None, weights.normalization)
+        evaluated = evaluate.load_test_inputs(options, accelerator, 32, 3, None, weights.normalization)
         for loaded in (data, evaluated):
             assert torch.equal(torch.cat([images for images, _ in loaded.test_loader]), expected)
         if loader == "workers":

@@ -21,7 +21,7 @@ from filelock import FileLock
 
 from common.data.decode import decode_source
 from common.data.formats import detect_format
-from common.data.hub import hub_repo
+from common.data.hub import HUB_REPOS
 from common.data.options import cache_folder, default_cache_dir
 from common.data.sources import carve_decoded, check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
@@ -81,7 +81,7 @@ def cache_name(key: str, image_size: int | None, interpolation: str, skip_bad: b
 
 
 def _hub_key(dataset: str) -> str:
-    return f"hub-{hub_repo(dataset).replace('/', '--')}"
+    return f"hub-{HUB_REPOS.get(dataset, dataset).replace('/', '--')}"
 
 
 def _cached(path: Path, build=None) -> ImageData | None:

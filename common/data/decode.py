@@ -23,15 +23,12 @@ def native_size(source: ImageSource, probes: int = 16) -> int | None:
     """The side of the training images when all of ``probes`` spread over the split are square
     and of one size (CIFAR: 32), else None."""
     split = source.train
-    if isinstance(split, TensorSplit):
-        sizes = {tuple(split.images.shape[-2:])}
-    else:
-        sizes = set()
-        for i in sorted({round(k * (len(split) - 1) / max(probes - 1, 1)) for k in range(probes)}):
-            try:
-                sizes.add(tuple(decode(split.encoded(i), split.name(i)).shape[-2:]))
-            except BadImage:
-                continue
+    sizes = set()
+    for i in sorted({round(k * (len(split) - 1) / max(probes - 1, 1)) for k in range(probes)}):
+        try:
+            sizes.add(tuple(decode(split.encoded(i), split.name(i)).shape[-2:]))
+        except BadImage:
+            continue
     squares = {h for h, w in sizes if h == w}
     return squares.pop() if len(sizes) == 1 and squares else None
 
@@ -90,5 +87,4 @@ def fit_all(images: torch.Tensor, size: int, interpolation: str = "bilinear",
     as its images one by one do)."""
     if images.shape[-2:] == (size, size):
         return images
-    return torch.cat([fit(images[start:start + chunk], size, interpolation)
-                      for start in range(0, len(images), chunk)]).contiguous()
+    return torch.cat([fit(part, size, interpolation) for part in images.split(chunk)]).contiguous()

@@ -234,12 +234,10 @@ def read_cifar_pickles(folder: Path) -> ImageSource:
 
 def read_cifar_tar(archive: Path) -> ImageSource:
     """cifar-10-python.tar.gz or cifar-100-python.tar.gz, read in one pass without extracting."""
-    members = {}
     try:
         with tarfile.open(archive, "r:gz") as tar:
-            for member in tar:
-                if member.isfile():
-                    members[member.name.split("/")[-1]] = tar.extractfile(member).read()
+            members = {member.name.split("/")[-1]: tar.extractfile(member).read()
+                       for member in tar if member.isfile()}
     except (OSError, EOFError, tarfile.TarError) as e:  # zlib and gzip errors are OSError
         raise UserError(f"cannot read archive {archive} ({first_line(e)}); download it "
                         f"again") from None

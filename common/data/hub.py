@@ -15,6 +15,7 @@ import torch
 from common.data.splits import EVAL_SPLITS, ImageSource
 from common.errors import UserError, first_line
 
+# The Hub repository of a --dataset: uoft-cs/... for cifar10 and cifar100, else the name itself
 HUB_REPOS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
 
 
@@ -48,9 +49,8 @@ class ArrowSplit:
     def all_encoded(self, chunk: int = 1024):
         """Every row's bytes in order, read a chunk at a time (a row at a time costs ~50 us
         each)."""
-        arrow = self.table.with_format("arrow")
-        for start in range(0, len(self), chunk):
-            for cell in arrow[start:start + chunk][self.column].to_pylist():
+        for batch in self.table.with_format("arrow").iter(batch_size=chunk):
+            for cell in batch[self.column].to_pylist():
                 yield cell["bytes"] or cell["path"]
 
 
@@ -83,14 +83,10 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
         if label_col not in splits[split].column_names:
             return None
         values = splits[split].with_format("arrow")[label_col]
-        return torch.from_numpy(
-            np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64).copy())
-    evaluated = None
-    for name in EVAL_SPLITS:
-        found = labels(name) if name in splits else None
-        if found is not None and len(found) and (found >= 0).all():
-            evaluated = name, found
-            break
+        return torch.from_numpy(values.to_numpy(zero_copy_only=False).astype(np.int64))  # a copy
+    labelled = ((name, labels(name)) for name in EVAL_SPLITS if name in splits)  # read lazily
+    evaluated = next(((name, found) for name, found in labelled
+                      if found is not None and len(found) and (found >= 0).all()), None)
     train_labels = labels("train")
     if isinstance(features[label_col], datasets.ClassLabel):
         classes = list(features[label_col].names)
@@ -109,15 +105,10 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
                        classes, f"{source}; evaluated on {evaluated[0]}")
 
 
-def hub_repo(dataset: str) -> str:
-    """The Hub repository of ``dataset``: uoft-cs/... for cifar10 and cifar100, else itself."""
-    return HUB_REPOS.get(dataset, dataset)
-
-
 def download(dataset: str) -> ImageSource:
     import datasets  # imported here: it takes a second, and only some sources need it
 
-    repo = hub_repo(dataset)
+    repo = HUB_REPOS.get(dataset, dataset)
     offline = datasets.config.HF_HUB_OFFLINE or not _hub_reachable(datasets.config.HF_ENDPOINT)
     try:
         # `datasets` reads HF_HUB_OFFLINE once, when imported, and the scripts import it before we

@@ -49,9 +49,7 @@ def decode(encoded, name: str) -> torch.Tensor:
                              mode=ImageReadMode.RGB)
         if image.ndim == 4:  # an animated GIF comes as all its frames: the first, as PIL reads it
             image = image[0]
-        if image.dtype != torch.uint8:  # 16-bit PNGs
-            image = v2.functional.to_dtype(image, torch.uint8, scale=True)
-        return image
+        return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs; uint8 as is
     except (RuntimeError, ValueError):
         pass  # a format or mode torchvision does not read: PIL may
     try:

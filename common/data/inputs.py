@@ -99,29 +99,16 @@ def load_inputs(options: DataOptions, accelerator) -> Inputs:
     processes; one line and exit status 1 when the data or the flags cannot work (one line on N
     processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
     processes."""
-    inputs = _loaders(options, accelerator, train=True)
+    inputs = loaders(options, accelerator, train=True)
     inputs.mix = BatchMix(inputs.num_classes, options.mixup, options.cutmix, options.seed,
                           accelerator.process_index)
     return inputs
 
 
-def load_test_inputs(options: DataOptions, accelerator, image_size: int | None, batch_size: int,
-                     eval_split: dict | None, normalization: dict | None) -> Inputs:
-    """The evaluation loader alone (train_loader None), for weights trained at ``image_size`` with
-    ``normalization`` (None: the statistics of the training images) on the split ``eval_split``
-    names (a training run's --val-fraction and --seed) or the data's own test split."""
-    eval_split = eval_split or {}
-    options = dataclasses.replace(
-        options, image_size=image_size, batch_size=batch_size, grad_accum=1,
-        normalization=normalization, seed=eval_split.get("seed", 0),
-        val_fraction=options.val_fraction or eval_split.get("val_fraction"))
-    return _loaders(options, accelerator, train=False)
-
-
-def _loaders(options: DataOptions, accelerator, train: bool) -> Inputs:
-    """The loaders of ``options``, the training one only if ``train``: from the decode cache of an
-    earlier run when there is one, else from the source. A collective: every process refuses
-    together."""
+def loaders(options: DataOptions, accelerator, train: bool) -> Inputs:
+    """The loaders of ``options``, the training one only if ``train`` (scripts/evaluate.py: not):
+    from the decode cache of an earlier run when there is one, else from the source. A collective:
+    every process refuses together."""
     data = refused_together(accelerator, _cached, options, train)
     if data is not None:
         inputs = refused_together(accelerator, _from_cache, options, accelerator, data, train)
