@@ -3,14 +3,13 @@
 A pickle has the functions it names called as it loads (``__reduce__``): one from elsewhere runs
 its author's code. ``save_as_data`` keeps an object's state as JSON and safetensors, where
 Accelerate's ``register_for_checkpointing`` pickles it and loads it with weights_only=False
-(accelerate/checkpointing.py). ``code_in_checkpoint`` finds what would still run code on --resume:
-FSDP2's DCP folders, read by torch with ``pickle.load`` (.metadata) and weights_only=False (values
-not tensors), are read here first with only their types allowed (``DataUnpickler``, which CIFAR's
-batches use too); Accelerate reads its other files with weights_only=True loaders, which refuse.
+(accelerate/checkpointing.py). ``code_in_checkpoint`` finds what would still run code on --resume;
+Accelerate reads its other files with weights_only=True loaders, which refuse. ``DataUnpickler``
+reads a pickle with only the types it names allowed: CIFAR's batches, and FSDP2's DCP folders
+(common.parallel.fsdp.code_in_shards).
 """
 
 import functools
-import io
 import json
 import pickle
 import re
@@ -19,21 +18,11 @@ from pathlib import Path
 import torch
 from accelerate.utils import load
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from common.errors import first_line
 from common.files import write_json
 
 RUNS_CODE = "could run code"  # in the words of a checkpoint refused for what it holds
-
-_DTYPES = {("torch", str(t).split(".")[1]) for t in vars(torch).values()
-           if isinstance(t, torch.dtype)}
-# What DCP's .metadata holds (torch 2.14: every type a sharded checkpoint of ours names)
-DCP_METADATA = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), *_DTYPES}
 
 
 class NotData(pickle.UnpicklingError):
@@ -56,9 +45,9 @@ class DataUnpickler(pickle.Unpickler):
 
 
 def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
-    """What in ``checkpoint`` would run code as it loads ("optimizer_0/.metadata could run code:
-    it names posix.system, which is not data"), or a file Accelerate would load without a word
-    when it does not load; None: nothing."""
+    """What in ``checkpoint`` would run code as it loads ("random_states_1.pkl could run code: it
+    names posix.system, which is not data"), or a file Accelerate would load without a word when it
+    does not load; None: nothing."""
     if old := sorted(checkpoint.glob("custom_checkpoint_*.pkl")):  # an earlier version's
         return f"{old[0].name} {RUNS_CODE}: a pickle that Accelerate loads with weights_only=False"
     rng = checkpoint / f"random_states_{process_index}.pkl"
@@ -67,21 +56,6 @@ def code_in_checkpoint(checkpoint: Path, process_index: int) -> str | None:
             load(rng)  # Accelerate's own loader: weights_only=True, numpy's RNG arrays allowed
     except Exception as error:  # noqa: BLE001 - whatever torch met
         return file_problem(rng.name, error)
-    # DCP's folders (pytorch_model_fsdp_0/ ...): torch then reads the bytes checked here, whose
-    # pickles can build nothing but the types allowed
-    for metadata in sorted(checkpoint.glob("*/.metadata")):
-        name = metadata.relative_to(checkpoint).as_posix()
-        try:
-            with open(metadata, "rb") as f:
-                index = DataUnpickler(f, DCP_METADATA).load()
-            for key, where in index.storage_data.items():
-                if isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata):
-                    name = f"{metadata.parent.name}/{where.relative_path}"
-                    with open(metadata.parent / where.relative_path, "rb") as f:
-                        f.seek(where.offset)
-                        torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
-        except Exception as error:  # noqa: BLE001 - a refusal, or a file that is no DCP's
-            return file_problem(name, error)
     return None
 
 

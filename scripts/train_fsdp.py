@@ -67,6 +67,7 @@ from common.observe.tracking import (
 )
 from common.observe.utilisation import peak_memory
 from common.parallel.fsdp import average_buffers, check_sharding, gathered_model, wrap_each_block
+from common.parallel.fsdp import code_in_shards
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
 from common.parallel.step_guard import StepGuard, announce_stop
 from common.recipe.compiling import set_up_compiling
@@ -170,7 +171,8 @@ def main(args):
         "grad_accum": args.grad_accum, "global_batch_size": args.batch_size, "lr": peak_lr,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, **data.config,
         **tuned})
-    resume_from(accelerator, checkpoint, progress, config, RESUMABLE)  # ALL: if there is one
+    # FSDP: a sharded checkpoint's pickles (DCP's) read as data before torch reads them
+    resume_from(accelerator, checkpoint, progress, config, RESUMABLE, code_in_shards)  # ALL
     set_peak_lr(optimizer, scheduler, peak_lr, say=accelerator.print)  # a resume may lower --lr
     where = f"{accelerator.num_processes} x {accelerator.device}, sharded"  # FSDP: checked above
     start_run(accelerator, SCRIPT, args, config, output_dir, progress, where, data.line)  # ALL

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.run.checkpoints import MANIFEST, checkpoint_problem
-from common.data_only import code_in_checkpoint
+from common.parallel.fsdp import code_in_shards
 from common.data.synthetic import make_synthetic
 
 BIN = Path(sys.executable).parent
@@ -176,12 +176,12 @@ def test_every_file_of_a_sharded_checkpoint_is_read_as_data(runs, tmp_path, name
     process of the launched test below checks."""
     checkpoint = tmp_path / "step"
     shutil.copytree(runs["fsdp"][0] / "checkpoints" / "step_00000006", checkpoint)
-    assert code_in_checkpoint(checkpoint, 1) is None
+    assert code_in_shards(checkpoint, 1) is None
     if name.endswith(".distcp"):
         name = forge_a_value(checkpoint, tmp_path / "marker")
     else:
         plant(checkpoint / name, tmp_path / "marker")
-    found = code_in_checkpoint(checkpoint, 1)
+    found = code_in_shards(checkpoint, 1)
     assert not (tmp_path / "marker").exists()
     if name == "progress.json":  # JSON, parsed when Accelerate loads the checkpoint
         assert found is None

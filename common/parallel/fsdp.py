@@ -9,11 +9,20 @@
 - ``average_buffers``: BatchNorm's running statistics averaged over the processes. FSDP2 shards
   parameters only; buffers stay per process and, unlike DDP, nothing syncs them.
 - ``gathered_model``: the full weights in a plain model on the main process, for model.safetensors.
+- ``code_in_shards``: what of a sharded checkpoint would run code on --resume. DCP reads its
+  folders (pytorch_model_fsdp_0/, optimizer_0/) with ``pickle.load`` (.metadata) and
+  weights_only=False (values not tensors): they are read here first, with only their types
+  allowed (common.data_only).
 """
+
+import io
+from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from common.data_only import DataUnpickler, code_in_checkpoint, file_problem
 from common.errors import UserError
 from common.recipe.ema import mean_over_processes
 from common.recipe.models import build_model
@@ -24,6 +33,14 @@ from common.recipe.models import build_model
 BLOCKS = ("BasicBlock", "Bottleneck", "InvertedResidual", "MBConv", "FusedMBConv", "CNBlock",
           "ResBottleneckBlock", "EncoderBlock", "SwinTransformerBlock", "SwinTransformerBlockV2",
           "MaxVitBlock", "_DenseLayer", "_InvertedResidual")
+_DTYPES = {("torch", str(t).split(".")[1]) for t in vars(torch).values()
+           if isinstance(t, torch.dtype)}
+# What DCP's .metadata holds (torch 2.14: every type a sharded checkpoint of ours names)
+DCP_METADATA = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), *_DTYPES}
 
 
 def check_sharding(accelerator, sync_bn: bool) -> None:
@@ -75,3 +92,26 @@ def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.
         plain = build_model(name, num_classes)
     plain.load_state_dict(state, assign=True)
     return plain
+
+
+def code_in_shards(checkpoint: Path, process_index: int) -> str | None:
+    """common.data_only.code_in_checkpoint for a sharded checkpoint: also what in its DCP folders
+    would run code as torch reads them ("optimizer_0/.metadata could run code: it names
+    posix.system, which is not data"); None: nothing. For common.run.checkpoints.resume_from."""
+    if problem := code_in_checkpoint(checkpoint, process_index):
+        return problem
+    # torch then reads the bytes checked here, whose pickles can build nothing but the types allowed
+    for metadata in sorted(checkpoint.glob("*/.metadata")):
+        name = metadata.relative_to(checkpoint).as_posix()
+        try:
+            with open(metadata, "rb") as f:
+                index = DataUnpickler(f, DCP_METADATA).load()
+            for key, where in index.storage_data.items():
+                if isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata):
+                    name = f"{metadata.parent.name}/{where.relative_path}"
+                    with open(metadata.parent / where.relative_path, "rb") as f:
+                        f.seek(where.offset)
+                        torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a refusal, or a file that is no DCP's
+            return file_problem(name, error)
+    return None

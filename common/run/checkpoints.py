@@ -224,10 +224,10 @@ def intact_advice(output_dir: Path) -> str:
 OTHER_GROUPS = "its optimizer has another number of parameter groups than this run's"
 
 
-def _load_problem(accelerator, checkpoint: Path) -> str | None:
-    """accelerator.load_state, unless a file would run code; what went wrong in a few words,
-    naming the file; None: loaded."""
-    if problem := code_in_checkpoint(checkpoint, accelerator.process_index):
+def _load_problem(accelerator, checkpoint: Path, code_in) -> str | None:
+    """accelerator.load_state, unless a file would run code (``code_in``); what went wrong in a few
+    words, naming the file; None: loaded."""
+    if problem := code_in(checkpoint, accelerator.process_index):
         return problem
     try:
         accelerator.load_state(str(checkpoint))
@@ -252,7 +252,7 @@ def _file_in_traceback(error: BaseException, checkpoint: Path) -> str | None:
 
 
 def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress", config: dict,
-                resumable: set[str]) -> None:
+                resumable: set[str], code_in=code_in_checkpoint) -> None:
     """Continue the run of ``checkpoint`` (None: nothing to continue): check that this run is the
     same experiment (its flags except ``resumable``, its data), load the training state into
     everything prepared and registered, and forget the metrics of an epoch saved only in part.
@@ -261,14 +261,15 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
     complete one before it, on every process (loading that one overwrites all that the failed load
     changed); one named by --resume stops the run with one line instead. One with a file that
     would run code (a pickle from elsewhere, or of an earlier version) stops it before that file
-    is read: common.data_only.
+    is read: ``code_in``, common.data_only's or, for a sharded one, common.parallel.fsdp's.
     """
     if checkpoint is None:
         return
     check_resume_config(checkpoint, config, resumable)
     named = config["args"].get("resume") not in (None, "latest") \
         and Path(config["args"]["resume"]).resolve() == checkpoint.resolve()
-    while (problem := agree(accelerator, _load_problem(accelerator, checkpoint))) is not None:
+    while (problem := agree(accelerator,
+                            _load_problem(accelerator, checkpoint, code_in))) is not None:
         if problem == OTHER_GROUPS:
             fail_together(accelerator, (
                 f"--resume: {checkpoint}: {problem}: it was written by an earlier version of "
