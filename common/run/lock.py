@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
+
 from common.errors import UserError
 from common.files import atomic_write
 
@@ -241,9 +243,5 @@ def _ended(holder: dict, me: dict) -> bool:
         return True  # this job before it was restarted or requeued
     if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
         return False  # another host: no way to know
-    try:
-        with contextlib.suppress(PermissionError):  # it runs, as another user
-            os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return True
-    return False
+    # psutil's test: one that runs as another user runs; a thread's id is no process
+    return not psutil.pid_exists(holder["pid"])
