@@ -24,16 +24,15 @@ _WRAPPER_PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DataParallel/DDP,
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages
 
 
-def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
-    """The final weights as a plain state dict in safetensors, which loads into an unwrapped model,
-    with ``metadata`` (what evaluation needs: save_final_weights), its values that are not strings
-    as JSON (read_metadata)."""
-    state = {k: v.detach().cpu().contiguous()
-             for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
+def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
+    """The final weights, a plain state dict (keys without wrapper prefixes: strip_wrapper_prefixes)
+    in safetensors, which loads into an unwrapped model, with ``metadata`` (what evaluation needs:
+    save_final_weights), its values that are not strings as JSON (read_metadata)."""
+    plain = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     text = {key: value if isinstance(value, str) else json.dumps(value)
             for key, value in metadata.items()}
     with atomic_write(path) as f:
-        f.write(safetensors.torch.save(state, metadata=text))
+        f.write(safetensors.torch.save(plain, metadata=text))
 
 
 def read_metadata(path: Path) -> dict:
@@ -114,9 +113,9 @@ EVALUATION = ("classes", "image_size", "normalization", "interpolation", "mixed_
 
 def save_final_weights(accelerator, model, output_dir: Path, config: dict, step: int) -> Path:
     """model.safetensors of a finished run, written by the main process: the weights of the
-    unwrapped ``model`` (unwrap_model strips DDP and DataParallel, save_weights the _orig_mod. of
-    --compile), so they load into a plain model, and in its metadata the model name, the step and
-    EVALUATION of the run's ``config``: all that scripts/evaluate.py needs besides the images.
+    unwrapped ``model`` (unwrap_model strips DDP and DataParallel, strip_wrapper_prefixes then
+    --compile's _orig_mod.), so they load into a plain model, and in its metadata the model name,
+    the step and EVALUATION of the run's ``config``: all scripts/evaluate.py needs but the images.
 
     Weights that are not finite are not written, nor is a file the disk cannot hold: every process
     stops with one line, and the run's checkpoints stay as they are."""
@@ -141,7 +140,7 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
                         # and where fine-tuned weights came from (--pretrained ...)
                         **{key: config[key] for key in (*EVALUATION, "fine_tune") if key in config}}
             try:
-                save_weights(accelerator.unwrap_model(model), path, metadata)
+                save_weights(state, path, metadata)
             except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...
                 failure = (f"cannot write {path} ({why_not_written(error, path)})"
                            f"{intact_advice(output_dir)} to write the weights")
