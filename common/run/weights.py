@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write, check_file
 from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
@@ -84,14 +84,11 @@ def _plain(error: Exception) -> str:
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
     telling line, "Unsupported global: GLOBAL __main__.Net ...", is kept."""
     text = _ANSI.sub("", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    told = next((line.split("error:", 1)[1].strip() for line in lines
-                 if "WeightsUnpickler error:" in line), None)
-    if told:
-        told = told.split(" was not ", 1)[0].split(". ", 1)[0]
-        return (f"it holds pickled objects, not only tensors: {told}; save model.state_dict() "
+    if told := re.search(r"WeightsUnpickler error:[ \t]*(\S.*?)(?: was not |\. |[ \t]*$)", text,
+                         re.MULTILINE):
+        return (f"it holds pickled objects, not only tensors: {told[1]}; save model.state_dict() "
                 f"instead")
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return _ANSI.sub("", first_line(error))
 
 
 def non_finite(state: dict[str, torch.Tensor]) -> str | None:
