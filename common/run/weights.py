@@ -9,10 +9,8 @@ import json
 import re
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
+import safetensors.torch  # safetensors too: safe_open
 import torch
-from safetensors.torch import load_file
 
 from common.errors import UserError, first_line
 from common.failures import fail_together, from_main, why_not_written
@@ -65,7 +63,7 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
     check_file(flag, path, "pass a .safetensors file or a torch.save'd state dict")
     try:
         if path.suffix == ".safetensors":
-            state = load_file(str(path))
+            state = safetensors.torch.load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
