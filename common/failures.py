@@ -76,9 +76,9 @@ def main_alone(accelerator, name: str, seconds: float):
         yield
     finally:
         if main and accelerator.num_processes > 1:
-            _store().set(_key(name), "done")  # done or failed: the next collective says which
+            _store().set(name, "done")  # done or failed: the next collective says which
     if not main:
-        _store().wait([_key(name)], timedelta(seconds=seconds))
+        _store().wait([name], timedelta(seconds=seconds))
 
 
 def fail_together(accelerator, message: str) -> None:
@@ -97,7 +97,7 @@ def fail_together(accelerator, message: str) -> None:
 
 # The keys, in the store through which the processes met (c10d's): the process that failed first,
 # which a watcher thread asks for twice a second (no collective, nothing on the training step), and
-# the count of those that ended for it. Per restart (_key): a launcher's store outlives an attempt,
+# the count of those that ended for it. Per restart (_store): a launcher's store outlives attempts,
 # and torch 2.14 no longer keys its users' keys by attempt: a restart would read the last failure.
 FIRST_FAILURE, ENDED = "first-failure", "ended-for-a-failure"
 POLL_S = 0.5
@@ -107,10 +107,6 @@ TRACKERS_S = 10.0  # at most for the trackers' last records before this process 
 EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
 HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
 _ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
-
-
-def _key(name: str) -> str:
-    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def watch_failures(accelerator) -> None:
@@ -185,8 +181,9 @@ def fail_alone(accelerator, message: str) -> None:
 
 def _store():
     """The store through which the processes met (c10d's), which outlives any one of them when a
-    launcher holds it."""
-    return torch.distributed.distributed_c10d._get_default_store()  # noqa: SLF001
+    launcher holds it; its keys are this restart's (TORCHELASTIC_RESTART_COUNT): 0/first-failure."""
+    store = torch.distributed.distributed_c10d._get_default_store()  # noqa: SLF001
+    return torch.distributed.PrefixStore(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), store)
 
 
 def _bounded(seconds: float, call, *args):
@@ -209,7 +206,7 @@ def _first(store, me: str) -> bool:
     """Whether this process's failure is the job's first, to be said: the store keeps the first
     name given. A store that fails or does not answer cannot tell: said, rather than never."""
     try:
-        return _bounded(STORE_S, store.compare_set, _key(FIRST_FAILURE), "", me).decode() == me
+        return _bounded(STORE_S, store.compare_set, FIRST_FAILURE, "", me).decode() == me
     except Exception:  # noqa: BLE001 - its host ended or stopped: the job is failing anyway
         return True
 
@@ -245,9 +242,9 @@ def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
     once) or at the job's end (the store's host exits first). Until ``stop`` is set."""
     while not stop.wait(POLL_S):
         try:
-            if not _bounded(STORE_S, store.check, [_key(FIRST_FAILURE)]):
+            if not _bounded(STORE_S, store.check, [FIRST_FAILURE]):
                 continue
-            failed, lost = _bounded(STORE_S, store.get, _key(FIRST_FAILURE)).decode(), None
+            failed, lost = _bounded(STORE_S, store.get, FIRST_FAILURE).decode(), None
         except Exception as error:  # noqa: BLE001 - the store's host ended or stopped
             failed, lost = None, error
         if failed == me or stop.wait(GRACE_S) or not threading.main_thread().is_alive():
@@ -274,7 +271,7 @@ def end_now(accelerator, through_the_store: bool = True) -> None:
     several = through_the_store and getattr(accelerator, "num_processes", 1) > 1
     ended = 0
     with suppress(Exception):
-        ended = several and _bounded(STORE_S, _store().add, _key(ENDED), 1)
+        ended = several and _bounded(STORE_S, _store().add, ENDED, 1)
     for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator,)),
                                 (EXIT_S, _exit_handlers, ())):
         with suppress(Exception):
@@ -284,7 +281,7 @@ def end_now(accelerator, through_the_store: bool = True) -> None:
         while several and accelerator.process_index == 0 and ended < accelerator.num_processes \
                 and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
-            ended = _bounded(STORE_S, _store().add, _key(ENDED), 0)
+            ended = _bounded(STORE_S, _store().add, ENDED, 0)
     os._exit(1)
 
 

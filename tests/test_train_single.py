@@ -172,7 +172,7 @@ def test_evaluate_refuses_data_of_other_classes(full_run, tmp_path):
     model = build_model("resnet20", num_classes=10)
     model.load_state_dict(weights(out))
     other = {**read_metadata(out / "model.safetensors"), "classes": [f"bird{i}" for i in range(10)]}
-    save_weights(model, tmp_path / "model.safetensors", other)
+    save_weights(model.state_dict(), tmp_path / "model.safetensors", other)
     done = run("evaluate.py", "--weights", tmp_path / "model.safetensors", *DATA, check=False)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"error: --weights {tmp_path / 'model.safetensors'} were trained on the classes bird0, bird1, bird2, bird3, "

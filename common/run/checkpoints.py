@@ -42,12 +42,9 @@ def latest_checkpoint(output_dir: Path, up_to: int | None = None) -> Path | None
 
 def all_checkpoints(output_dir: Path, up_to: int | None = None) -> list[Path]:
     """The checkpoint folders (step_N) at most at step ``up_to``, the newest first."""
-    folder = Path(output_dir) / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return []
-    steps = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := STEP_DIR.match(p.name)) and (up_to is None or int(m.group(1)) <= up_to)]
-    return [p for _, p in sorted(steps, reverse=True)]
+    steps = [(int(m[1]), p) for p in (Path(output_dir) / CHECKPOINT_DIR).glob("step_*")
+             if (m := STEP_DIR.match(p.name))]  # glob: none in a folder that is not there
+    return [p for step, p in sorted(steps, reverse=True) if up_to is None or step <= up_to]
 
 
 def latest_good_checkpoint(output_dir: Path,
@@ -56,8 +53,7 @@ def latest_good_checkpoint(output_dir: Path,
     problem of each newer one, which it does not."""
     damaged = {}
     for checkpoint in all_checkpoints(output_dir, up_to):
-        problem = checkpoint_problem(checkpoint)
-        if problem is None:
+        if (problem := checkpoint_problem(checkpoint)) is None:
             return checkpoint, damaged
         damaged[checkpoint] = problem
     return None, damaged
@@ -113,8 +109,7 @@ def file_crc32(path: Path) -> str:
 
 def _file_problem(path: Path, size: int, crc: str | None) -> str | None:
     try:
-        actual = path.stat().st_size
-        if actual != size:
+        if (actual := path.stat().st_size) != size:
             return f"has {actual} bytes where {size} were written"
         if crc is None:
             return f"has no crc32 in {MANIFEST}"

@@ -117,8 +117,7 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
         return _newest_complete(path, "") or given
     if given is not None:
-        problem = checkpoint_problem(given)
-        if problem:
+        if problem := checkpoint_problem(given):
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
                             f"complete one, or --output-dir {given.parent.parent} --resume for "
                             f"its newest complete checkpoint")
@@ -130,8 +129,7 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if not resume:
         check_output_dir(path)
         return None
-    checkpoint = _newest_complete(path, "--resume: ")
-    if checkpoint is not None:
+    if (checkpoint := _newest_complete(path, "--resume: ")) is not None:
         return checkpoint
     # none at all
     if (path / "model.safetensors").exists():

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
+
 from common.errors import UserError
 from common.files import atomic_write
 
@@ -113,8 +115,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                holder = _read_holder(self.path, wait=True)
-                if holder is None:
+                if (holder := _read_holder(self.path, wait=True)) is None:
                     continue  # released meanwhile
                 self._refuse(holder)
             except OSError as error:
@@ -169,8 +170,7 @@ class RunLock:
     def record_job(self) -> None:
         """Say in the folder which launched job took it (a SLURM job, a torchrun agent), so that
         its restarted workers know the folder for theirs; nothing for a plain process."""
-        job = this_job()
-        if job is None or read_job(self.folder) == job:
+        if (job := this_job()) is None or read_job(self.folder) == job:
             return
         # not written: a restart then gets the checks of a new start: it stops, it never guesses
         with contextlib.suppress(OSError), atomic_write(self.folder / JOB_FILE) as f:
@@ -223,8 +223,7 @@ def _read_holder(path: Path, wait: bool = False) -> dict | None:
     """What the lock file says; a holder that has just taken the lock may not have written yet."""
     for _ in range(10 if wait else 1):
         try:
-            info = json.loads(path.read_text())
-            if isinstance(info, dict):
+            if isinstance(info := json.loads(path.read_text()), dict):
                 return info
         except FileNotFoundError:
             return None
@@ -241,9 +240,5 @@ def _ended(holder: dict, me: dict) -> bool:
         return True  # this job before it was restarted or requeued
     if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
         return False  # another host: no way to know
-    try:
-        with contextlib.suppress(PermissionError):  # it runs, as another user
-            os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return True
-    return False
+    # psutil's test: one that runs as another user runs; a thread's id is no process
+    return not psutil.pid_exists(holder["pid"])

@@ -9,12 +9,10 @@ import json
 import re
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
+import safetensors.torch  # safetensors too: safe_open
 import torch
-from safetensors.torch import load_file
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write, check_file
 from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
@@ -24,16 +22,15 @@ _WRAPPER_PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DataParallel/DDP,
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages
 
 
-def save_weights(model: torch.nn.Module, path: Path, metadata: dict) -> None:
-    """The final weights as a plain state dict in safetensors, which loads into an unwrapped model,
-    with ``metadata`` (what evaluation needs: save_final_weights), its values that are not strings
-    as JSON (read_metadata)."""
-    state = {k: v.detach().cpu().contiguous()
-             for k, v in strip_wrapper_prefixes(model.state_dict()).items()}
+def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
+    """The final weights, a plain state dict (keys without wrapper prefixes: strip_wrapper_prefixes)
+    in safetensors, which loads into an unwrapped model, with ``metadata`` (what evaluation needs:
+    save_final_weights), its values that are not strings as JSON (read_metadata)."""
+    plain = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     text = {key: value if isinstance(value, str) else json.dumps(value)
             for key, value in metadata.items()}
     with atomic_write(path) as f:
-        f.write(safetensors.torch.save(state, metadata=text))
+        f.write(safetensors.torch.save(plain, metadata=text))
 
 
 def read_metadata(path: Path) -> dict:
@@ -66,7 +63,7 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
     check_file(flag, path, "pass a .safetensors file or a torch.save'd state dict")
     try:
         if path.suffix == ".safetensors":
-            state = load_file(str(path))
+            state = safetensors.torch.load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
@@ -85,14 +82,11 @@ def _plain(error: Exception) -> str:
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
     telling line, "Unsupported global: GLOBAL __main__.Net ...", is kept."""
     text = _ANSI.sub("", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    told = next((line.split("error:", 1)[1].strip() for line in lines
-                 if "WeightsUnpickler error:" in line), None)
-    if told:
-        told = told.split(" was not ", 1)[0].split(". ", 1)[0]
-        return (f"it holds pickled objects, not only tensors: {told}; save model.state_dict() "
+    if told := re.search(r"WeightsUnpickler error:[ \t]*(\S.*?)(?: was not |\. |[ \t]*$)", text,
+                         re.MULTILINE):
+        return (f"it holds pickled objects, not only tensors: {told[1]}; save model.state_dict() "
                 f"instead")
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return _ANSI.sub("", first_line(error))
 
 
 def non_finite(state: dict[str, torch.Tensor]) -> str | None:
@@ -114,9 +108,9 @@ EVALUATION = ("classes", "image_size", "normalization", "interpolation", "mixed_
 
 def save_final_weights(accelerator, model, output_dir: Path, config: dict, step: int) -> Path:
     """model.safetensors of a finished run, written by the main process: the weights of the
-    unwrapped ``model`` (unwrap_model strips DDP and DataParallel, save_weights the _orig_mod. of
-    --compile), so they load into a plain model, and in its metadata the model name, the step and
-    EVALUATION of the run's ``config``: all that scripts/evaluate.py needs besides the images.
+    unwrapped ``model`` (unwrap_model strips DDP and DataParallel, strip_wrapper_prefixes then
+    --compile's _orig_mod.), so they load into a plain model, and in its metadata the model name,
+    the step and EVALUATION of the run's ``config``: all scripts/evaluate.py needs but the images.
 
     Weights that are not finite are not written, nor is a file the disk cannot hold: every process
     stops with one line, and the run's checkpoints stay as they are."""
@@ -141,7 +135,7 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
                         # and where fine-tuned weights came from (--pretrained ...)
                         **{key: config[key] for key in (*EVALUATION, "fine_tune") if key in config}}
             try:
-                save_weights(accelerator.unwrap_model(model), path, metadata)
+                save_weights(state, path, metadata)
             except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...
                 failure = (f"cannot write {path} ({why_not_written(error, path)})"
                            f"{intact_advice(output_dir)} to write the weights")
