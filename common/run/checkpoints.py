@@ -53,7 +53,8 @@ def latest_good_checkpoint(output_dir: Path,
     problem of each newer one, which it does not."""
     damaged = {}
     for checkpoint in all_checkpoints(output_dir, up_to):
-        if (problem := checkpoint_problem(checkpoint)) is None:
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
             return checkpoint, damaged
         damaged[checkpoint] = problem
     return None, damaged
@@ -109,7 +110,8 @@ def file_crc32(path: Path) -> str:
 
 def _file_problem(path: Path, size: int, crc: str | None) -> str | None:
     try:
-        if (actual := path.stat().st_size) != size:
+        actual = path.stat().st_size
+        if actual != size:
             return f"has {actual} bytes where {size} were written"
         if crc is None:
             return f"has no crc32 in {MANIFEST}"

@@ -117,7 +117,8 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
         return _newest_complete(path, "") or given
     if given is not None:
-        if problem := checkpoint_problem(given):
+        problem = checkpoint_problem(given)
+        if problem:
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
                             f"complete one, or --output-dir {given.parent.parent} --resume for "
                             f"its newest complete checkpoint")
@@ -129,7 +130,8 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if not resume:
         check_output_dir(path)
         return None
-    if (checkpoint := _newest_complete(path, "--resume: ")) is not None:
+    checkpoint = _newest_complete(path, "--resume: ")
+    if checkpoint is not None:
         return checkpoint
     # none at all
     if (path / "model.safetensors").exists():

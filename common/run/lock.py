@@ -115,7 +115,8 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                if (holder := _read_holder(self.path, wait=True)) is None:
+                holder = _read_holder(self.path, wait=True)
+                if holder is None:
                     continue  # released meanwhile
                 self._refuse(holder)
             except OSError as error:
@@ -170,7 +171,8 @@ class RunLock:
     def record_job(self) -> None:
         """Say in the folder which launched job took it (a SLURM job, a torchrun agent), so that
         its restarted workers know the folder for theirs; nothing for a plain process."""
-        if (job := this_job()) is None or read_job(self.folder) == job:
+        job = this_job()
+        if job is None or read_job(self.folder) == job:
             return
         # not written: a restart then gets the checks of a new start: it stops, it never guesses
         with contextlib.suppress(OSError), atomic_write(self.folder / JOB_FILE) as f:
@@ -223,7 +225,8 @@ def _read_holder(path: Path, wait: bool = False) -> dict | None:
     """What the lock file says; a holder that has just taken the lock may not have written yet."""
     for _ in range(10 if wait else 1):
         try:
-            if isinstance(info := json.loads(path.read_text()), dict):
+            info = json.loads(path.read_text())
+            if isinstance(info, dict):
                 return info
         except FileNotFoundError:
             return None
