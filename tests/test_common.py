@@ -175,7 +175,7 @@ def test_save_weights_writes_a_plain_safetensors_file_with_its_metadata(tmp_path
     model = torch.nn.Sequential(torch.nn.Linear(2, 3))
     metadata = {"model": "resnet20", "classes": ["cat", "dog"], "image_size": [32, 32], "step": 48,
                 "normalization": {"mean": [125.3, 123.0, 113.9], "std": [63.0, 62.1, 66.7]}}
-    save_weights(torch.nn.DataParallel(model).module.state_dict(), tmp_path / "model.safetensors", metadata)
+    save_weights(model.state_dict(), tmp_path / "model.safetensors", metadata)
     loaded = load_weights(tmp_path / "model.safetensors")
     assert set(loaded) == {"0.weight", "0.bias"}
     assert read_metadata(tmp_path / "model.safetensors") == metadata  # the values, their types too
