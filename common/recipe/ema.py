@@ -120,10 +120,8 @@ def mean_over_processes(accelerator, tensors: list[torch.Tensor]) -> None:
     A collective (every process must call it); nothing with one process."""
     if accelerator.num_processes == 1 or not tensors:
         return
-    by_dtype = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for group in by_dtype.values():
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):  # the same order everywhere
+        group = [tensor for tensor in tensors if tensor.dtype == dtype]
         flat = accelerator.reduce(torch.cat([t.reshape(-1) for t in group]), "mean")
         torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(
             flat.split([t.numel() for t in group]), group)])
