@@ -98,14 +98,14 @@ def flags(compile="auto", mode="default", grad_accum=1, deterministic=False, out
 
 
 @pytest.mark.parametrize("given, cuda, model_is, processes, expected", [
-    (flags(), False, "whole", 1, (None, "default")),  # a CPU run stays eager
+    (flags(), False, "whole", 1, ("no", "default")),  # a CPU run stays eager
     (flags(), True, "whole", 1, ("inductor", "reduce-overhead")),  # one process on a GPU: CUDA graphs
     (flags(grad_accum=2), True, "whole", 1, ("inductor", "default")),  # no graphs with accumulation
-    (flags(deterministic=True), True, "whole", 1, (None, "default")),  # eager's kernels
-    (flags(), True, "whole", 2, (None, "default")),  # DDP: BatchNorm makes Inductor skip the graphs
-    (flags(), True, "replicas", 1, (None, "default")),  # DataParallel
-    (flags(), True, "shards", 2, (None, "default")),  # FSDP2
-    (flags("none"), True, "whole", 1, (None, "default")),  # the old behaviour, asked for
+    (flags(deterministic=True), True, "whole", 1, ("no", "default")),  # eager's kernels
+    (flags(), True, "whole", 2, ("no", "default")),  # DDP: BatchNorm makes Inductor skip the graphs
+    (flags(), True, "replicas", 1, ("no", "default")),  # DataParallel
+    (flags(), True, "shards", 2, ("no", "default")),  # FSDP2
+    (flags("none"), True, "whole", 1, ("no", "default")),  # the old behaviour, asked for
     (flags("inductor", "max-autotune"), False, "whole", 1, ("inductor", "max-autotune")),  # as given
     (flags("inductor", "reduce-overhead"), True, "whole", 4, ("inductor", "reduce-overhead")),
     (flags("aot_eager"), True, "shards", 2, ("aot_eager", "default")),
@@ -116,10 +116,10 @@ def test_auto_compiles_with_cuda_graphs_for_one_process_on_a_gpu_only(given, cud
 
 def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/runs/.compile-cache")
-    assert compile_line({"compile": "none"}, "cuda:0", None, "default") is None
-    assert compile_line({"compile": "auto"}, "cpu", None, "default") == (
+    assert compile_line({"compile": "none"}, "cuda:0", "no", "default") is None
+    assert compile_line({"compile": "auto"}, "cpu", "no", "default") == (
         "--compile auto: eager (no GPU); --compile inductor compiles")
-    assert compile_line({"compile": "auto"}, "cuda:0", None, "default") == (
+    assert compile_line({"compile": "auto"}, "cuda:0", "no", "default") == (
         "--compile auto: eager (CUDA graphs only for one process training a whole model, without --deterministic); "
         "--compile inductor compiles")
     assert compile_line({"compile": "auto"}, "cuda:0", "inductor", "reduce-overhead") == (

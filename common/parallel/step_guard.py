@@ -100,11 +100,10 @@ class StepGuard:
             stream, arrived = torch.cuda.current_stream(total.device), torch.cuda.Event()
             total = total.to("cpu", non_blocking=True)
             arrived.record(stream)
-            previous, self.pending = self.pending, (step, total, arrived)
+            self.flush()  # the step before's, arrived meanwhile
+            self.pending = (step, total, arrived)
         else:  # the CPU has computed it already
-            previous = (step, total, None)
-        if previous:
-            self._agree(self._read(*previous))
+            self._agree(self._read(step, total, None))
         if now or self.stop:  # on a GPU, the step after the signal too, before anything is saved
             self.flush()
         return self.stop

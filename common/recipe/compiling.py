@@ -67,8 +67,8 @@ def check_compile(backend: str, mode: str, grad_accum: int) -> None:
                         f"smaller --batch-size")
 
 
-def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tuple[str | None, str]:
-    """The backend (None: eager) and mode that --compile and --compile-mode give on a machine with
+def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tuple[str, str]:
+    """The backend ("no": eager) and mode that --compile and --compile-mode give on a machine with
     (``cuda``) or without a GPU, for one of ``processes`` that trains the ``model_is`` "whole"
     model, its "replicas" (DataParallel) or its "shards" (FSDP2). Several processes stay eager:
     under DDP, BatchNorm's running statistics make Inductor skip the CUDA graphs and run slower
@@ -78,9 +78,9 @@ def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tup
     hooks are not proven here."""
     if args.compile == "auto":
         if not cuda or args.deterministic or model_is != "whole" or processes > 1:
-            return None, "default"  # --deterministic: eager's kernels, bit for bit on --resume
+            return "no", "default"  # --deterministic: eager's kernels, bit for bit on --resume
         return "inductor", "reduce-overhead" if args.grad_accum == 1 else "default"
-    return (None if args.compile == "none" else args.compile), args.compile_mode
+    return ("no" if args.compile == "none" else args.compile), args.compile_mode
 
 
 def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
@@ -92,7 +92,7 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     if model_is == "replicas" and args.compile not in ("auto", "none"):
         raise UserError(f"--compile {args.compile}: not offered with DataParallel (DataParallel's "
                         f"replicas are copied anew at every step): use train_ddp.py --compile")
-    if backend is None:  # no compiling, whatever the Accelerate config says
+    if backend == "no":  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT) == TORCH_DEFAULT:
@@ -118,12 +118,12 @@ def _said_in_one_line(previous, flag: str):
     return hook
 
 
-def compile_line(flags: dict, device: str, backend: str | None, mode: str) -> str | None:
+def compile_line(flags: dict, device: str, backend: str, mode: str) -> str | None:
     """What --compile does on ``device`` (``backend`` and ``mode`` as ``chosen`` gave them) and
     why, for the start line and config.json; None for an eager run that did not ask for auto."""
     given, cuda = flags.get("compile"), device.startswith("cuda")
     said = f"--compile {given}"
-    if backend is None:
+    if backend == "no":
         why = ("CUDA graphs only for one process training a whole model, without --deterministic"
                if cuda else "no GPU")
         return f"{said}: eager ({why}); --compile inductor compiles" if given == "auto" else None

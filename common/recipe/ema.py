@@ -70,22 +70,18 @@ class WeightAverage:
                             [a for a, is_buffer in zip(self.average, self.buffers) if is_buffer])
 
     @torch.no_grad()
-    def swap(self) -> None:
-        """Exchange the model's weights and the average (twice: back as they were)."""
-        held = [t.clone() for t in self.live]
-        torch._foreach_copy_(self.live, self.average)
-        torch._foreach_copy_(self.average, held)
-
     def evaluate(self, model, *args) -> dict:
-        """common.recipe.evaluation.evaluate(model, *args) with the averaged weights in the model:
-        {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
+        """common.recipe.evaluation.evaluate(model, *args) with the averaged weights in the model,
+        the trained ones put back after: {"test_acc_ema": accuracy}, for the epoch's metrics; {}
+        when off."""
         if not self.decay:
             return {}
-        self.swap()
+        trained = [t.clone() for t in self.live]
+        self.apply()
         try:
             return {"test_acc_ema": evaluate(model, *args).accuracy}
         finally:
-            self.swap()
+            torch._foreach_copy_(self.live, trained)
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -124,10 +120,8 @@ def mean_over_processes(accelerator, tensors: list[torch.Tensor]) -> None:
     A collective (every process must call it); nothing with one process."""
     if accelerator.num_processes == 1 or not tensors:
         return
-    by_dtype = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for group in by_dtype.values():
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):  # the same order everywhere
+        group = [tensor for tensor in tensors if tensor.dtype == dtype]
         flat = accelerator.reduce(torch.cat([t.reshape(-1) for t in group]), "mean")
         torch._foreach_copy_(group, [f.view_as(t) for f, t in zip(
             flat.split([t.numel() for t in group]), group)])

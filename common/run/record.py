@@ -38,10 +38,8 @@ def git_commit() -> str | None:
 def run_config(flags: dict, derived: dict) -> dict:
     """The resolved flags, what was derived from them and the environment: config.json and wandb.
     What --compile does on the device (``derived["device"]``), from the plugin prepare() uses."""
-    plugin = AcceleratorState().dynamo_plugin
-    backend = None if plugin is None or plugin.backend.value == "NO" else plugin.backend.value
-    compiled = compile_line(flags, derived.get("device", ""), backend and backend.lower(),
-                            plugin.mode if backend else "default")
+    plugin = AcceleratorState().dynamo_plugin.to_dict()  # Accelerator() made it: never None
+    compiled = compile_line(flags, derived.get("device", ""), plugin["backend"], plugin["mode"])
     return {"args": flags, **derived, **({"compile": compiled} if compiled else {}),
             "versions": versions(), "git_commit": git_commit(), "command": sys.argv}
 
