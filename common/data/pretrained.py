@@ -57,19 +57,12 @@ class Weights:
     file: Path
     source: str  # where it was found, for the start line and config.json
     # per channel, in the 0..255 scale of our data path (the libraries give them in 0..1)
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
+    normalization: dict | None = None  # {"mean": [...], "std": [...]}, as DataOptions takes it
     input_size: int | None = None
     interpolation: str | None = None
     # A resumed run's weights whose file is gone: what the run recorded of them, not loaded (the
     # checkpoint replaces every tensor anyway)
     recorded_only: bool = False
-
-    @property
-    def normalization(self) -> dict | None:
-        if self.mean is None:
-            return None
-        return {"mean": list(self.mean), "std": list(self.std)}
 
     @property
     def resize_interpolation(self) -> str:
@@ -125,9 +118,7 @@ def _recorded_weights(checkpoint: Path | None) -> Weights | None:
         tuned, normalization = config["fine_tune"], config["fine_tune"]["normalization"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return Weights(Path(tuned["file"]), tuned["source"],
-                   tuple(normalization["mean"]) if normalization else None,
-                   tuple(normalization["std"]) if normalization else None,
+    return Weights(Path(tuned["file"]), tuned["source"], normalization or None,
                    tuned.get("input_size"), tuned.get("interpolation"), recorded_only=True)
 
 
@@ -162,13 +153,14 @@ def _timm_weights(name: str) -> Weights:
 
 
 def _timm_inputs(cfg) -> dict:
-    return {"mean": _scaled(cfg.mean), "std": _scaled(cfg.std), "input_size": cfg.input_size[-1],
+    return {"normalization": _scaled(cfg.mean, cfg.std), "input_size": cfg.input_size[-1],
             "interpolation": cfg.interpolation}
 
 
-def _scaled(values) -> tuple[float, ...]:
-    """Statistics of 0..1 pixels (timm's, torchvision's) in the 0..255 scale of uint8 images."""
-    return tuple(255 * v for v in values)
+def _scaled(mean, std) -> dict:
+    """Statistics of 0..1 pixels (timm's, torchvision's) in the 0..255 scale of uint8 images, as
+    Weights.normalization holds them."""
+    return {"mean": [255 * v for v in mean], "std": [255 * v for v in std]}
 
 
 def _torchvision_weights(name: str) -> Weights:
@@ -198,8 +190,8 @@ def _torchvision_weights(name: str) -> Weights:
 
 def _torchvision_inputs(weights) -> dict:
     preset = weights.transforms()
-    return {"mean": _scaled(preset.mean), "std": _scaled(preset.std),
-            "input_size": preset.crop_size[0], "interpolation": preset.interpolation.value}
+    return {"normalization": _scaled(preset.mean, preset.std), "input_size": preset.crop_size[0],
+            "interpolation": preset.interpolation.value}
 
 
 def _inputs_of_file(file: Path, model: str) -> dict:
@@ -207,8 +199,7 @@ def _inputs_of_file(file: Path, model: str) -> dict:
     else the library's default weights for the architecture, else unknown (the data's own)."""
     stored = read_metadata(file)  # {} when unreadable: load_pretrained says so in its line
     if "normalization" in stored:
-        normalization = stored["normalization"]
-        return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
+        return {"normalization": stored["normalization"],  # as save_final_weights wrote it
                 "input_size": stored.get("image_size", [None])[0],
                 # runs that did not record it resized bilinear
                 "interpolation": stored.get("interpolation", "bilinear")}
