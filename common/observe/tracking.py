@@ -102,8 +102,6 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
             accelerator.print(f"warning: --report-to {missing} needs the {missing} package, "
                               f"which is not installed (pip install {missing}); training goes on "
                               f"without it")
-    if not names:
-        return
     project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
     init, new_run, offline = {}, {}, False
     if "wandb" in names:
