@@ -342,8 +342,7 @@ def end_tracking_failed(accelerator) -> None:
                 mlflow.end_run(status="FAILED")
             else:
                 tracker.finish()
-    if getattr(accelerator, "trackers", None):
-        accelerator.trackers = []
+    accelerator.trackers = []
 
 
 def refused_together(accelerator, step, *args, **kwargs):
