@@ -249,17 +249,14 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
     line that says so. A file of another model is a UserError naming the tensors that do not
     fit."""
     flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
-    state, own = load_weights(weights.file, flag), model.state_dict()
-    if bad := non_finite(state):  # else the first step's NaN loss would be put down to the lr
+    found, own = load_weights(weights.file, flag), model.state_dict()
+    if bad := non_finite(found):  # else the first step's NaN loss would be put down to the lr
         raise UserError(f"{flag}: the weights in {weights.file} are not finite ({bad} NaN or "
                         f"infinite): pass weights that are")
     head = classifier_name(model, num_classes)
     head_keys = {k for k in own if k.startswith(f"{head}.")}
-    file_head = {k: v for k, v in state.items() if k in head_keys}
-    swap = len(file_head) < len(head_keys) or any(v.shape != own[k].shape
-                                                  for k, v in file_head.items())
-    if swap:
-        state = {k: v for k, v in state.items() if k not in head_keys}
+    swap = any(k not in found or found[k].shape != own[k].shape for k in head_keys)
+    state = {k: v for k, v in found.items() if not (swap and k in head_keys)}
     # BatchNorm's step counts are absent from older files (torchvision's V1 ResNets): the load fills
     # them in itself.
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")
@@ -276,7 +273,7 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
     said = f"weights from {weights.source} ({weights.file})"
     if not swap:
         return f"{said}, the head {head} kept ({num_classes} classes)"
-    weight = file_head.get(f"{head}.weight")
+    weight = found.get(f"{head}.weight")
     was = f"{weight.shape[0]} classes" if weight is not None else "none"
     return f"{said}; head {head} swapped: {was} -> {num_classes} classes, newly initialised"
 
