@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -167,7 +166,7 @@ def _torchvision_weights(name: str) -> Weights:
     import torchvision
 
     default = torchvision.models.get_model_weights(name).DEFAULT
-    file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(default.url)
+    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(default.url).name
     if not file.is_file():
         timeout = socket.getdefaulttimeout()
         try:  # torch.hub's urlopen has no timeout of its own: a silent network would hang it
