@@ -300,9 +300,8 @@ def _clear_progress_bars() -> None:
 
 def _lost_a_process(error: BaseException) -> bool:
     """Whether ``error`` is a collective's failure because another process is gone."""
-    text = str(error)
-    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
-                                         "Broken pipe", "remote process exited", "NCCL error"))
+    return re.search(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+                     r"remote process exited|NCCL error", str(error)) is not None
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -342,8 +341,7 @@ def end_tracking_failed(accelerator) -> None:
                 mlflow.end_run(status="FAILED")
             else:
                 tracker.finish()
-    if getattr(accelerator, "trackers", None):
-        accelerator.trackers = []
+    accelerator.trackers = []
 
 
 def refused_together(accelerator, step, *args, **kwargs):

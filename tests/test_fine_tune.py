@@ -300,8 +300,8 @@ def test_pretrained_reads_torchvision_weights_from_torch_home(place, tmp_path, m
     torch.save(state, tmp_path / "torch" / "hub" / "checkpoints" / Path(url).name)
     found = find_weights("torchvision:resnet18", True, None)
     assert (found.input_size, found.interpolation) == (224, "bilinear")
-    assert found.mean == pytest.approx([255 * m for m in IMAGENET_MEAN])
-    assert found.std == pytest.approx([255 * s for s in IMAGENET_STD])
+    assert found.normalization["mean"] == pytest.approx([255 * m for m in IMAGENET_MEAN])
+    assert found.normalization["std"] == pytest.approx([255 * s for s in IMAGENET_STD])
     model = build_model("torchvision:resnet18", CLASSES)
     tuned = fine_tune(model, found, "torchvision:resnet18", CLASSES, 224, "backbone")["fine_tune"]
     assert tuned["loaded"].endswith("head fc swapped: 1000 classes -> 3 classes, newly initialised")

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -57,19 +56,12 @@ class Weights:
     file: Path
     source: str  # where it was found, for the start line and config.json
     # per channel, in the 0..255 scale of our data path (the libraries give them in 0..1)
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
+    normalization: dict | None = None  # {"mean": [...], "std": [...]}, as DataOptions takes it
     input_size: int | None = None
     interpolation: str | None = None
     # A resumed run's weights whose file is gone: what the run recorded of them, not loaded (the
     # checkpoint replaces every tensor anyway)
     recorded_only: bool = False
-
-    @property
-    def normalization(self) -> dict | None:
-        if self.mean is None:
-            return None
-        return {"mean": list(self.mean), "std": list(self.std)}
 
     @property
     def resize_interpolation(self) -> str:
@@ -125,9 +117,7 @@ def _recorded_weights(checkpoint: Path | None) -> Weights | None:
         tuned, normalization = config["fine_tune"], config["fine_tune"]["normalization"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return Weights(Path(tuned["file"]), tuned["source"],
-                   tuple(normalization["mean"]) if normalization else None,
-                   tuple(normalization["std"]) if normalization else None,
+    return Weights(Path(tuned["file"]), tuned["source"], normalization or None,
                    tuned.get("input_size"), tuned.get("interpolation"), recorded_only=True)
 
 
@@ -162,20 +152,21 @@ def _timm_weights(name: str) -> Weights:
 
 
 def _timm_inputs(cfg) -> dict:
-    return {"mean": _scaled(cfg.mean), "std": _scaled(cfg.std), "input_size": cfg.input_size[-1],
+    return {"normalization": _scaled(cfg.mean, cfg.std), "input_size": cfg.input_size[-1],
             "interpolation": cfg.interpolation}
 
 
-def _scaled(values) -> tuple[float, ...]:
-    """Statistics of 0..1 pixels (timm's, torchvision's) in the 0..255 scale of uint8 images."""
-    return tuple(255 * v for v in values)
+def _scaled(mean, std) -> dict:
+    """Statistics of 0..1 pixels (timm's, torchvision's) in the 0..255 scale of uint8 images, as
+    Weights.normalization holds them."""
+    return {"mean": [255 * v for v in mean], "std": [255 * v for v in std]}
 
 
 def _torchvision_weights(name: str) -> Weights:
     import torchvision
 
     default = torchvision.models.get_model_weights(name).DEFAULT
-    file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(default.url)
+    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(default.url).name
     if not file.is_file():
         timeout = socket.getdefaulttimeout()
         try:  # torch.hub's urlopen has no timeout of its own: a silent network would hang it
@@ -198,8 +189,8 @@ def _torchvision_weights(name: str) -> Weights:
 
 def _torchvision_inputs(weights) -> dict:
     preset = weights.transforms()
-    return {"mean": _scaled(preset.mean), "std": _scaled(preset.std),
-            "input_size": preset.crop_size[0], "interpolation": preset.interpolation.value}
+    return {"normalization": _scaled(preset.mean, preset.std), "input_size": preset.crop_size[0],
+            "interpolation": preset.interpolation.value}
 
 
 def _inputs_of_file(file: Path, model: str) -> dict:
@@ -207,8 +198,7 @@ def _inputs_of_file(file: Path, model: str) -> dict:
     else the library's default weights for the architecture, else unknown (the data's own)."""
     stored = read_metadata(file)  # {} when unreadable: load_pretrained says so in its line
     if "normalization" in stored:
-        normalization = stored["normalization"]
-        return {"mean": tuple(normalization["mean"]), "std": tuple(normalization["std"]),
+        return {"normalization": stored["normalization"],  # as save_final_weights wrote it
                 "input_size": stored.get("image_size", [None])[0],
                 # runs that did not record it resized bilinear
                 "interpolation": stored.get("interpolation", "bilinear")}
@@ -258,17 +248,14 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
     line that says so. A file of another model is a UserError naming the tensors that do not
     fit."""
     flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
-    state, own = load_weights(weights.file, flag), model.state_dict()
-    if bad := non_finite(state):  # else the first step's NaN loss would be put down to the lr
+    found, own = load_weights(weights.file, flag), model.state_dict()
+    if bad := non_finite(found):  # else the first step's NaN loss would be put down to the lr
         raise UserError(f"{flag}: the weights in {weights.file} are not finite ({bad} NaN or "
                         f"infinite): pass weights that are")
     head = classifier_name(model, num_classes)
     head_keys = {k for k in own if k.startswith(f"{head}.")}
-    file_head = {k: v for k, v in state.items() if k in head_keys}
-    swap = len(file_head) < len(head_keys) or any(v.shape != own[k].shape
-                                                  for k, v in file_head.items())
-    if swap:
-        state = {k: v for k, v in state.items() if k not in head_keys}
+    swap = any(k not in found or found[k].shape != own[k].shape for k in head_keys)
+    state = {k: v for k, v in found.items() if not (swap and k in head_keys)}
     # BatchNorm's step counts are absent from older files (torchvision's V1 ResNets): the load fills
     # them in itself.
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")
@@ -285,7 +272,7 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
     said = f"weights from {weights.source} ({weights.file})"
     if not swap:
         return f"{said}, the head {head} kept ({num_classes} classes)"
-    weight = file_head.get(f"{head}.weight")
+    weight = found.get(f"{head}.weight")
     was = f"{weight.shape[0]} classes" if weight is not None else "none"
     return f"{said}; head {head} swapped: {was} -> {num_classes} classes, newly initialised"
 

@@ -102,8 +102,6 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
             accelerator.print(f"warning: --report-to {missing} needs the {missing} package, "
                               f"which is not installed (pip install {missing}); training goes on "
                               f"without it")
-    if not names:
-        return
     project = project or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT)
     init, new_run, offline = {}, {}, False
     if "wandb" in names:
@@ -190,10 +188,9 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
     if uri.startswith(("http://", "https://")):
         # A server that did not answer held a job 252 s (MLflow: 120 s a request, 7 retries) while
         # the others waited in a collective: bounded like wandb's start, unless the user set them
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(MLFLOW_REQUEST_TIMEOUT))
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        wait = float(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"])
-        tries = 1 + int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+        wait = float(os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT",
+                                           str(MLFLOW_REQUEST_TIMEOUT)))
+        tries = 1 + int(os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"))
         accelerator.print(f"mlflow: starting its run at {uri} (one that does not answer costs "
                           f"about {tries * wait + 3:g} s, then training goes on)")
     # MLflow's INFO lines on a new store ("Creating initial MLflow database tables...") would come

@@ -137,16 +137,14 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
     folder = output_dir / CHECKPOINT_DIR
     final, partial = folder / f"step_{step:08d}", folder / f".tmp-step_{step:08d}"
     with removed_if_ended(partial):
-        failure = None
-        if accelerator.is_main_process:
-            failure = unwritten_metrics()  # the epoch's record, which only this process writes
-            if failure is None:
-                try:
-                    # left by a process killed while saving
-                    shutil.rmtree(partial, ignore_errors=True)
-                    partial.mkdir(parents=True)
-                except OSError as error:
-                    failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
+        failure = unwritten_metrics()  # the epoch's record, which only the main process writes
+        if failure is None and accelerator.is_main_process:
+            try:
+                # left by a process killed while saving
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            except OSError as error:
+                failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
         # the others wait for the folder (and learn of a failure) here
         failure = from_main(accelerator, failure)
         if failure is None:
