@@ -69,7 +69,7 @@ from common.observe.tracking import (
     record_epoch,
     start_run,
 )
-from common.parallel.data_parallel import checked_gpus, memory_report
+from common.parallel.data_parallel import check_compile_flag, checked_gpus, memory_report
 from common.parallel.launch import launch_record, require_single_process
 from common.parallel.step_guard import StepGuard, announce_stop
 from common.recipe.compiling import set_up_compiling
@@ -94,6 +94,7 @@ def parse_args(argv=None):
                              "not every output")
     args = parser.parse_args(argv)
     check_args(args)
+    check_compile_flag(args.compile)  # DP: the replicas, new at every step, are never compiled
     return args
 
 

@@ -22,6 +22,7 @@ from test_faults_data import read_only_home  # noqa: F401 - a fixture: a real re
 from torch._dynamo.utils import counters
 
 from common.errors import UserError
+from common.parallel.data_parallel import check_compile_flag
 from common.recipe.compiling import TORCH_DEFAULT, chosen, compile_line, set_up_compiling
 
 # two steps of the smallest model, in a new run folder under the working directory's runs/
@@ -146,7 +147,7 @@ def test_the_cache_goes_beside_the_run_folders_unless_the_user_chose_one(monkeyp
         "backend": "inductor", "mode": "reduce-overhead", "dynamic": False}
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere")
     with pytest.raises(UserError, match=r"--compile inductor: not offered with DataParallel .*: use train_ddp.py"):
-        set_up_compiling(flags("inductor"), model_is="replicas")
+        check_compile_flag("inductor")
 
 
 def test_a_folder_of_runs_that_cannot_be_written_keeps_torch_s_cache(monkeypatch, read_only_home):

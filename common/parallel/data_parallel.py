@@ -17,6 +17,14 @@ from common.parallel.launch import check_batch_split
 from common.units import GB
 
 
+def check_compile_flag(backend: str) -> None:
+    """--compile BACKEND refused: DataParallel copies its replicas anew at every step, which no
+    compiled graph survives (--compile auto and none train them eagerly)."""
+    if backend not in ("auto", "none"):
+        raise UserError(f"--compile {backend}: not offered with DataParallel (DataParallel's "
+                        f"replicas are copied anew at every step): use train_ddp.py --compile")
+
+
 def data_parallel_devices(device: torch.device) -> list[torch.device]:
     """The GPUs DataParallel splits every batch over: all that this process sees, cuda:0 first.
 

@@ -86,12 +86,9 @@ def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tup
 def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     """Accelerate's dynamo plugin for what --compile chooses on this machine (``chosen``); when it
     compiles, also the compiler's cache beside the run folders and a failure said in one line (an
-    excepthook): the process changed. ``model_is`` "replicas" refuses a --compile BACKEND."""
+    excepthook): the process changed. ``model_is`` as ``chosen`` takes it."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
     backend, mode = chosen(args, torch.cuda.is_available(), model_is, processes)
-    if model_is == "replicas" and args.compile not in ("auto", "none"):
-        raise UserError(f"--compile {args.compile}: not offered with DataParallel (DataParallel's "
-                        f"replicas are copied anew at every step): use train_ddp.py --compile")
     if backend == "no":  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
