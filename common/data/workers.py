@@ -132,7 +132,7 @@ def default_workers(processes_per_node: int = 1) -> int:
     return max(1, min(16, cores // max(processes_per_node, 1) - 1))
 
 
-class _WorkerInit:
+def _init_worker(seed: int, process: int, exiting, worker: int) -> None:
     """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
     transform added that draws from them (ours draw per sample and do not need it), and keeps the
     worker alive through the job's stop signals. DataLoader seeds all three itself, but from
@@ -141,28 +141,23 @@ class _WorkerInit:
     same numbers (checked, torch 2.14), so the process is added here. The signals: SLURM signals
     every process of a job, and a worker that died of one would fail the step the training
     process finishes before it saves (common.parallel.step_guard.StepGuard). SIGTERM still ends a
-    worker once its training process is exiting (``_exiting``): multiprocessing terminates the
-    workers left then, and waits for them."""
+    worker once its training process is exiting (``exiting``, its _exiting() flag):
+    multiprocessing terminates the workers left then, and waits for them."""
+    seed = sample_seed(seed, process, worker)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
+    # Ctrl-C and a closed terminal signal the whole process group, workers included: the
+    # training process decides (it saves and stops), a worker that died would fail its step.
+    for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop_signal, signal.SIG_IGN)
 
-    def __init__(self, seed: int, process: int):
-        self.seed, self.process, self.exiting = seed, process, _exiting()
-
-    def __call__(self, worker: int):
-        seed = sample_seed(self.seed, self.process, worker)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
-        # Ctrl-C and a closed terminal signal the whole process group, workers included: the
-        # training process decides (it saves and stops), a worker that died would fail its step.
-        for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
-            signal.signal(stop_signal, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame):
-        if self.exiting.value:  # from the exiting training process: end, quietly (exit 0: torch's
+    def on_sigterm(signum, frame):
+        if exiting.value:  # from the exiting training process: end, quietly (exit 0: torch's
             os._exit(0)  # SIGCHLD handler there reports a worker killed by a signal as a failure)
         # else a stop signal to the whole job: the training process finishes its step and stops us
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 @functools.cache
@@ -187,7 +182,7 @@ def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, 
                       sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0,
                       pin_memory=pin_memory, collate_fn=collate_channels_last,
-                      worker_init_fn=_WorkerInit(seed, process),
+                      worker_init_fn=functools.partial(_init_worker, seed, process, _exiting()),
                       prefetch_factor=4 if workers else None)
 
 
