@@ -23,10 +23,7 @@ def choose_loader(accelerator, wanted: str, images: int, size: int,
     budget, so that every process takes the same path even when their free memory differs."""
     if wanted == "workers":  # the same flag on every process: no budget to agree on
         return "workers", "--loader workers"
-    budget = None
-    if accelerator.num_processes == 1 or accelerator.is_main_process:
-        budget = data_budget(accelerator.device, budget_gb)
-    budget, of_what = from_main(accelerator, budget)
+    budget, of_what = from_main(accelerator, data_budget(accelerator.device, budget_gb))
     need = images * 3 * size * size
     summary = (f"{images} images at {size}px decoded take {_gb(need)}, budget {_gb(budget)} "
                f"({of_what})")
