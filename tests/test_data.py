@@ -438,6 +438,7 @@ def test_processes_that_start_together_decode_once(tmp_path):
     # importing torch again (5 s of CPU a process)
     context = multiprocessing.get_context("fork")
     folder = tmp_path / "cache"
+    folder.mkdir()  # as cache_folder makes it
     builds = context.Manager().list()
     with context.Pool(3) as pool:
         results = pool.starmap(_build_through_cache, [(str(folder), builds)] * 3)

@@ -92,7 +92,6 @@ def _cached(path: Path, build=None) -> ImageData | None:
     and decodes, the others wait for the lock and then read its cache. A lock, not a collective
     barrier, so a long first download is not cut short by the process group's timeout.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock"):
         if path.exists():
             try:
