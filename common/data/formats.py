@@ -11,7 +11,6 @@ Any of:
 """
 
 import io
-import os
 import re
 import shlex
 import tarfile
@@ -197,7 +196,7 @@ def _read_image_folder(root: Path) -> ImageSource:
 
 def _is_image(path: str) -> bool:
     """An image file by its suffix; hidden files (macOS's ._name.jpg) are none."""
-    name = os.path.basename(path)
+    name = Path(path).name
     return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
 
 
