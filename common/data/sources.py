@@ -33,11 +33,10 @@ def open_source(dataset: str = "cifar10", data_dir: str | None = None,
                 val_fraction: float | None = None) -> ImageSource:
     """``dataset`` (cifar10, cifar100, synthetic or a Hub id), or the local copy in ``data_dir``,
     which takes precedence; ``val_fraction`` carves the evaluation split from train (``seed``)."""
-    source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
-                            synthetic_test_size, synthetic_classes, seed)
-    if val_fraction:
-        return carve(checked(source, carving=True), val_fraction, seed)
-    return checked(source)
+    source = checked(open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
+                                    synthetic_test_size, synthetic_classes, seed),
+                     carving=bool(val_fraction))
+    return carve(source, val_fraction, seed) if val_fraction else source
 
 
 def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic_test_size,
