@@ -122,13 +122,12 @@ def _open(options: DataOptions, train: bool):
     source = open_source(options.dataset, options.data_dir, options.cache_dir,
                          options.synthetic_train_size, options.synthetic_test_size,
                          seed=options.seed, val_fraction=options.val_fraction)
-    if train:
-        _check_batch_size(options.batch_size, len(source.train))
+    _check_batch_size(options.batch_size, len(source.train), train)
     return source
 
 
-def _check_batch_size(batch_size: int, train_size: int) -> None:
-    if train_size < batch_size:
+def _check_batch_size(batch_size: int, train_size: int, train: bool) -> None:
+    if train and train_size < batch_size:  # a training loader's batches; evaluation keeps all
         raise UserError(f"--batch-size {batch_size} is larger than the {train_size} training "
                         f"images: use a smaller --batch-size")
 
@@ -143,8 +142,7 @@ def _cached(options: DataOptions, train: bool):
                            options.interpolation)
     if data is None or options.image_size not in (None, data.train_images.shape[-1]):
         return None
-    if train:
-        _check_batch_size(options.batch_size, len(data.train_labels))
+    _check_batch_size(options.batch_size, len(data.train_labels), train)
     return data
 
 
