@@ -76,10 +76,8 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
         path = Path(output_dir)
     elif given is not None:
         path = given.parent.parent  # runs/NAME/checkpoints/step_N
-    else:
-        path = new_run_dir(Path(script).stem)
-    # processes started a second apart must agree
-    path = from_main(accelerator, path)
+    else:  # processes started a second apart must agree on its name
+        path = from_main(accelerator, new_run_dir(Path(script).stem))
     if given is not None and (not given.is_dir() or not STEP_DIR.match(given.name)):
         fix = (f"it is a run's folder: pass --output-dir {given} --resume for its newest "
                f"checkpoint" if (given / CHECKPOINT_DIR).is_dir() else

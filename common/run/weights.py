@@ -16,7 +16,6 @@ from common.errors import UserError, first_line
 from common.failures import fail_together, from_main, why_not_written
 from common.files import atomic_write, check_file
 from common.run.checkpoints import CHECKPOINT_DIR, intact_advice
-from common.run.record import unwritten_metrics
 
 _WRAPPER_PREFIXES = re.compile(r"^(module\.|_orig_mod\.)+")  # DataParallel/DDP, torch.compile
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes in torch's messages
@@ -118,9 +117,7 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
     failure = None
     if accelerator.is_main_process:
         state = strip_wrapper_prefixes(accelerator.unwrap_model(model).state_dict())
-        if (failure := unwritten_metrics()) is not None:
-            failure += intact_advice(output_dir)
-        elif bad := non_finite(state):
+        if bad := non_finite(state):
             failure = (f"the final weights are not finite ({bad} NaN or infinite) at step {step}: "
                        f"{path} was not written, and the run's checkpoints in "
                        f"{Path(output_dir) / CHECKPOINT_DIR} are intact; resume from an earlier "
