@@ -69,17 +69,14 @@ class RunFolderTensorBoard(TensorBoardTracker):
 
     requires_logging_directory = False  # set by start_tracking, before init_trackers starts it
 
-    def __init__(self):
-        super().__init__(run_name=DEFAULT_PROJECT, logging_dir=None)  # None: no folder yet
-
 
 def installed_trackers(report_to: list[str]) -> list | None:
     """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
-    (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard; None for
-    none."""
+    (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard of no folder
+    yet; None for none."""
     available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
-    return [RunFolderTensorBoard() if name == "tensorboard" else name
-            for name in dict.fromkeys(report_to) if name in available] or None
+    return [RunFolderTensorBoard(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
+            else name for name in dict.fromkeys(report_to) if name in available] or None
 
 
 def start_tracking(accelerator, config: dict, output_dir: Path, progress,
