@@ -62,20 +62,14 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-class RunFolderTensorBoard(TensorBoardTracker):
-    """Accelerate's TensorBoard tracker, told its folder when tracking starts: Accelerator() wants
-    the folder of a tracker named "tensorboard" at once (a ValueError otherwise), and the run folder
-    is known only once it is locked (common.run.folder), after the Accelerator is made."""
-
-    requires_logging_directory = False  # set by start_tracking, before init_trackers starts it
-
-
 def installed_trackers(report_to: list[str]) -> list | None:
     """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
-    (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard of no folder
-    yet; None for none."""
+    (start_tracking warns about the others); None for none. TensorBoard's is given as Accelerate's
+    tracker object, of no folder yet (start_tracking sets it): Accelerator() wants the folder of a
+    tracker given by name at once (a ValueError otherwise), and the run folder is known only once
+    it is locked (common.run.folder), after the Accelerator is made."""
     available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
-    return [RunFolderTensorBoard(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
+    return [TensorBoardTracker(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
             else name for name in dict.fromkeys(report_to) if name in available] or None
 
 
@@ -111,7 +105,7 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     # accelerator.trackers, as init_trackers starts every tracker there (a second wandb run, and
     # MLflow's "already active" refusal, otherwise).
     for tracker, tracker_name in zip(requested, names):
-        if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
+        if isinstance(tracker, TensorBoardTracker):  # TensorBoardTracker.start joins the two
             tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
             new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
         accelerator.log_with, accelerator.trackers = [tracker], []
