@@ -62,24 +62,15 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-class RunFolderTensorBoard(TensorBoardTracker):
-    """Accelerate's TensorBoard tracker, told its folder when tracking starts: Accelerator() wants
-    the folder of a tracker named "tensorboard" at once (a ValueError otherwise), and the run folder
-    is known only once it is locked (common.run.folder), after the Accelerator is made."""
-
-    requires_logging_directory = False  # set by start_tracking, before init_trackers starts it
-
-    def __init__(self):
-        super().__init__(run_name=DEFAULT_PROJECT, logging_dir=None)  # None: no folder yet
-
-
 def installed_trackers(report_to: list[str]) -> list | None:
     """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
-    (start_tracking warns about the others), TensorBoard's as a RunFolderTensorBoard; None for
-    none."""
+    (start_tracking warns about the others); None for none. TensorBoard's is given as Accelerate's
+    tracker object, of no folder yet (start_tracking sets it): Accelerator() wants the folder of a
+    tracker given by name at once (a ValueError otherwise), and the run folder is known only once
+    it is locked (common.run.folder), after the Accelerator is made."""
     available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
-    return [RunFolderTensorBoard() if name == "tensorboard" else name
-            for name in dict.fromkeys(report_to) if name in available] or None
+    return [TensorBoardTracker(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
+            else name for name in dict.fromkeys(report_to) if name in available] or None
 
 
 def start_tracking(accelerator, config: dict, output_dir: Path, progress,
@@ -96,7 +87,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     """
     if not accelerator.is_main_process:  # Accelerate starts no tracker on the others
         return
-    names = [_name(tracker) for tracker in accelerator.log_with]
+    # log_with holds Accelerate's LoggerType for a name (str() gives it), or a tracker (its own)
+    names = [t.name if isinstance(t, GeneralTracker) else str(t) for t in accelerator.log_with]
     for missing in dict.fromkeys(config.get("args", {}).get("report_to", [])):
         if missing not in (*names, "none"):  # left out by installed_trackers
             accelerator.print(f"warning: --report-to {missing} needs the {missing} package, "
@@ -112,8 +104,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     # One at a time, so that a server that fails takes its own tracker only; each alone in
     # accelerator.trackers, as init_trackers starts every tracker there (a second wandb run, and
     # MLflow's "already active" refusal, otherwise).
-    for tracker in requested:
-        if isinstance(tracker, RunFolderTensorBoard):  # TensorBoardTracker.start joins the two
+    for tracker, tracker_name in zip(requested, names):
+        if isinstance(tracker, TensorBoardTracker):  # TensorBoardTracker.start joins the two
             tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
             new_run["tensorboard"] = not (output_dir / TENSORBOARD_DIR / project).exists()
         accelerator.log_with, accelerator.trackers = [tracker], []
@@ -126,7 +118,7 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
                     new.store_init_configuration(flat_config(config))
             started += accelerator.trackers
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
-            failed.append(f"{_name(tracker)} did not start ({first_line(error)})")
+            failed.append(f"{tracker_name} did not start ({first_line(error)})")
             _drop(accelerator, accelerator.trackers)
     accelerator.log_with, accelerator.trackers = requested, started
     for why in failed:
@@ -149,11 +141,6 @@ def start_run(accelerator, script: str, args, config: dict, output_dir: Path, pr
         start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
                        name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
     accelerator.print(start_line(script, where, config, data_line, output_dir))
-
-
-def _name(tracker) -> str:
-    """A log_with entry's tracker name: Accelerate's LoggerType for a name, or a tracker's own."""
-    return tracker.name if isinstance(tracker, GeneralTracker) else str(tracker)
 
 
 def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> tuple[dict, bool]:
