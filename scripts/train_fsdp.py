@@ -12,7 +12,9 @@ each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
 - Accelerate's FSDP plugin (fsdp_version=2), one unit per residual block (BasicBlock, Bottleneck,
   ...: common/parallel/fsdp.py): the default, one unit for the whole model, gathers it whole
   and saves no memory. Sharded checkpoints: each process writes its slice (pytorch_model_fsdp_0/,
-  optimizer_0/), --resume reads them back;
+  optimizer_0/), --resume reads them back, their pickles (DCP's) read as data first;
+- --compile auto trains eagerly: a model sharded for its size is not bound by kernel launches,
+  and CUDA graphs around FSDP2's hooks are not proven;
 - a refusal where it would not shard: without GPUs Accelerate drops the plugin without a word and
   runs DDP (and `accelerate launch --cpu --use_fsdp` is refused), so this script says so in one
   line instead. --sync-bn is refused too (train_ddp.py's), and --share-gpus over gloo on GPUs
@@ -21,7 +23,8 @@ each tagged "# FSDP:" (docs/diffs/train_fsdp.diff):
   parameters for the shards); the same seed on every process before the model is built, since
   FSDP2 does not broadcast rank 0's initial weights (train_ddp.py seeds the same way);
 - BatchNorm's running statistics averaged over the processes after every step: FSDP2 shards
-  parameters only and, unlike DDP, never syncs buffers;
+  parameters only and, unlike DDP, never syncs buffers. --ema-decay averages each process's slice
+  of the weights, gathered whole into the checkpoints;
 - model.safetensors from the full weights, gathered from every process (a collective), so
   evaluate.py reads it as any other script's. Objects registered for checkpointing (the run's
   progress) are written by the main process only: they are the same on every process here;
@@ -67,11 +70,10 @@ from common.observe.tracking import (
 )
 from common.observe.utilisation import peak_memory
 from common.parallel.fsdp import average_buffers, check_sharding, gathered_model, wrap_each_block
-from common.parallel.fsdp import code_in_shards
+from common.parallel.fsdp import ShardedWeightAverage, code_in_shards, refuse_gloo
 from common.parallel.launch import check_launch, launch_record, set_gpu_sharing
 from common.parallel.step_guard import StepGuard, announce_stop
 from common.recipe.compiling import set_up_compiling
-from common.recipe.ema import WeightAverage
 from common.recipe.evaluation import evaluate
 from common.recipe.models import build_model
 from common.recipe.numerics import set_numerics
@@ -97,13 +99,12 @@ def set_up(args) -> Accelerator:
     """This process made ready to train: output that cannot stop it, the Accelerator, the seed."""
     survive_closed_output()  # a closed stdout (| head, a dead tee, a lost ssh) costs no training
     gc.freeze()  # what the imports built lives to the end: the collector skips it (1 s at exit)
-    backend = set_gpu_sharing(args.share_gpus, sharded=True)  # FSDP: GPUs shared over NCCL only
+    backend = set_gpu_sharing(args.share_gpus, refuse_gloo)  # FSDP: GPUs shared over NCCL only
     accelerator = Accelerator(  # ALL: where several processes make their process group
         log_with=installed_trackers(args.report_to),  # --report-to; main process only
         cpu=not torch.cuda.is_available(),  # DDP: else no GPU means N lone trainings, not gloo
         mixed_precision="no",  # the fp32 baseline, whatever the Accelerate config says
-        # FSDP: --compile auto leaves a model sharded for its size eager (not launch-bound)
-        dynamo_plugin=set_up_compiling(args, model_is="shards"),
+        dynamo_plugin=set_up_compiling(args, model_is="shards"),  # FSDP: auto keeps it eager
         gradient_accumulation_steps=args.grad_accum,  # --grad-accum: accumulate() counts them
         dataloader_config=DataLoaderConfiguration(
             # A seeded sampler reshuffles by epoch number, so a resumed run sees the same order.
@@ -121,7 +122,7 @@ def set_up(args) -> Accelerator:
     check_launch(accelerator, args.batch_size, args.grad_accum)  # ALL
     # FSDP: without GPUs Accelerate drops the plugin and runs DDP: one line instead
     refused_together(accelerator, check_sharding, accelerator, args.sync_bn)  # ALL
-    set_seed(args.seed)  # FSDP: the same weights on every process: FSDP2 does not broadcast them
+    set_seed(args.seed)  # the same on every process: the same initial weights
     return accelerator
 
 
@@ -164,7 +165,7 @@ def main(args):
         model, optimizer, train_loader, test_loader, scheduler)
 
     progress = TrainProgress(accelerator)  # the run's place and record, saved in every checkpoint
-    ema = WeightAverage(accelerator, model, args.ema_decay)  # --ema-decay (0: none)
+    ema = ShardedWeightAverage(accelerator, model, args.ema_decay)  # FSDP: of the slices (0: none)
     config = run_config(vars(args), {
         **launch_record(accelerator),  # the processes, their devices, the backend
         "fp32_precision": fp32, "per_device_batch_size": per_device_batch,

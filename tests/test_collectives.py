@@ -37,7 +37,8 @@ COLLECTIVES = {
     "check_launch", "evaluate", "peak_memory", "save_final_weights", "announce_stop",
     "average_buffers", "gathered_model",
     "StepGuard.check", "StepGuard.signalled", "Checkpointer.save", "WeightAverage.update",
-    "WeightAverage.evaluate", "EpochMeter.figures",
+    "WeightAverage.evaluate", "ShardedWeightAverage.update", "ShardedWeightAverage.evaluate",
+    "EpochMeter.figures",
     "Accelerator", "accelerator.prepare", "accelerator.reduce",
     "accelerator.backward", "accelerator.clip_grad_norm_",  # in the step, marked by its `with`
     "set_up", "make_model",  # the scripts' own
@@ -83,10 +84,11 @@ def _imports(tree: ast.Module) -> dict[str, str]:
 
 
 class Code:
-    """The functions and methods of some modules, and which of them reach a collective."""
+    """The functions and methods of some modules, and which of them reach a collective; a class's
+    methods include those it inherits from a class of these modules."""
 
     def __init__(self, paths):
-        self.functions, self.classes, self.imports = {}, {}, {}
+        self.functions, self.classes, self.imports, self.bases = {}, {}, {}, {}
         for path in paths:
             tree = ast.parse(path.read_text())
             imported = _imports(tree)
@@ -94,12 +96,21 @@ class Code:
                 if isinstance(node, ast.FunctionDef):
                     self.functions.setdefault(node.name, []).append((node, None, imported))
                 elif isinstance(node, ast.ClassDef):
-                    methods = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+                    methods = {m.name: (m, imported) for m in node.body
+                               if isinstance(m, ast.FunctionDef)}
                     self.classes[node.name] = methods
-                    for method in methods.values():
-                        self.functions.setdefault(f"{node.name}.{method.name}", []).append(
-                            (method, node.name, imported))
+                    self.bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        for cls in self.classes:
+            for name, (method, imported) in self.methods(cls).items():
+                self.functions.setdefault(f"{cls}.{name}", []).append((method, cls, imported))
         self.reaching = self._fixpoint()
+
+    def methods(self, cls: str) -> dict:
+        """``cls``'s methods, its own over those of its bases here, as Python looks them up."""
+        found = {}
+        for base in self.bases.get(cls, []):
+            found.update(self.methods(base) if base in self.classes else {})
+        return {**found, **self.classes[cls]}
 
     def callees(self, call: ast.Call, cls: str | None) -> list[str]:
         """The functions here that ``call`` may run: by name, a class's __init__, self.method."""
@@ -111,6 +122,9 @@ class Code:
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
                 and func.value.id == "self" and cls:
             return [f"{cls}.{func.attr}"]
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call) \
+                and ast.unparse(func.value.func) == "super" and cls:  # super().method: the bases'
+            return [f"{base}.{func.attr}" for base in self.bases.get(cls, [])]
         return []
 
     def _fixpoint(self) -> set[str]:
@@ -258,8 +272,8 @@ def test_the_reading_of_common_knows_its_collectives():
     """Spot checks of the call graph: direct and indirect collectives, and functions that are
     not."""
     for name in ("agree", "from_main", "fail_together", "save_checkpoint", "mean_over_processes",
-                 "write_config", "load_inputs", "utilisation_figures", "whole",
-                 "WeightAverage.state_dict"):
+                 "write_config", "load_inputs", "utilisation_figures",
+                 "ShardedWeightAverage.state_dict"):
         assert name in COMMON.reaching, name
     for name in ("record_epoch", "start_tracking", "start_line", "build_model", "set_peak_lr",
                  "why_not_written", "StepLogger.log", "SkippedSteps.figures", "SkippedSteps.count",

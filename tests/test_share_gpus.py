@@ -18,6 +18,7 @@ from common.cli import Parser, add_ddp_args
 from common.errors import UserError
 from common.observe.tracking import start_line
 from common.parallel import launch
+from common.parallel.fsdp import refuse_gloo
 
 OLD, NEW = (2, 28, 9), (2, 30, 7)  # the GPU machines' torch 2.11; torch 2.14's bundled NCCL
 
@@ -110,15 +111,15 @@ def test_fsdp2_shares_a_gpu_over_nccl_only(monkeypatch):
     for given, instead in [(("auto", 2, 1, OLD), OLD_NCCL_ADVICE), (("nccl", 2, 1, OLD), OLD_NCCL_ADVICE),
                            (("gloo", 8, 4, NEW), "use --share-gpus nccl")]:
         with pytest.raises(UserError) as error:
-            launch.plan_gpu_sharing(*given, sharded=True)
+            launch.plan_gpu_sharing(*given, refuse_gloo=refuse_gloo)
         assert error.value.message == FSDP_OVER_GLOO + instead
-    assert launch.plan_gpu_sharing("auto", 2, 1, NEW, sharded=True) == (2, "nccl")
-    assert launch.plan_gpu_sharing("nccl", 8, 4, NEW, sharded=True) == (2, "nccl")
-    assert launch.plan_gpu_sharing("auto", 2, 0, None, sharded=True) == (0, "gloo")
-    assert launch.plan_gpu_sharing(None, 4, 4, OLD, sharded=True) == (1, None)
+    assert launch.plan_gpu_sharing("auto", 2, 1, NEW, refuse_gloo=refuse_gloo) == (2, "nccl")
+    assert launch.plan_gpu_sharing("nccl", 8, 4, NEW, refuse_gloo=refuse_gloo) == (2, "nccl")
+    assert launch.plan_gpu_sharing("auto", 2, 0, None, refuse_gloo=refuse_gloo) == (0, "gloo")
+    assert launch.plan_gpu_sharing(None, 4, 4, OLD, refuse_gloo=refuse_gloo) == (1, None)
     on_node(monkeypatch, 2, 1, nccl=OLD)  # what train_fsdp.py calls: the refusal, as the other launch refusals
     with pytest.raises(UserError) as error:
-        launch.set_gpu_sharing("auto", sharded=True)
+        launch.set_gpu_sharing("auto", refuse_gloo=refuse_gloo)
     assert error.value.message.startswith(FSDP_OVER_GLOO)
 
 

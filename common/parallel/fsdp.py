@@ -8,7 +8,10 @@
   saved.
 - ``average_buffers``: BatchNorm's running statistics averaged over the processes. FSDP2 shards
   parameters only; buffers stay per process and, unlike DDP, nothing syncs them.
+- ``ShardedWeightAverage``: --ema-decay's average of each process's slices, gathered whole into
+  the checkpoints.
 - ``gathered_model``: the full weights in a plain model on the main process, for model.safetensors.
+- ``refuse_gloo``: processes that share a GPU (--share-gpus) share it over NCCL only.
 - ``code_in_shards``: what of a sharded checkpoint would run code on --resume. DCP reads its
   folders (pytorch_model_fsdp_0/, optimizer_0/) with ``pickle.load`` (.metadata) and
   weights_only=False (values not tensors): they are read here first, with only their types
@@ -17,14 +20,17 @@
 
 import io
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.data_only import DataUnpickler, code_in_checkpoint, file_problem
 from common.errors import UserError
-from common.recipe.ema import mean_over_processes
+from common.parallel.launch import nccl_name, nccl_shares_gpus
+from common.recipe.ema import WeightAverage, mean_over_processes
 from common.recipe.models import build_model
 
 # The repeated blocks of the models --model takes: ours and torchvision's ResNets (BasicBlock,
@@ -59,6 +65,19 @@ def check_sharding(accelerator, sync_bn: bool) -> None:
             f"accelerate_configs/4gpu_fsdp.yaml), or use train_ddp.py on this machine")
 
 
+def refuse_gloo(nccl: tuple[int, ...] | None, gpus: int) -> NoReturn:
+    """For common.parallel.launch.set_gpu_sharing: FSDP2's processes share a GPU over NCCL only
+    (version ``nccl``; ``gpus`` on the node). Over gloo they crashed with SIGSEGV on an H200 (torch
+    2.11, NCCL 2.28.9, docs/gpu/nvidia-h200.md), gloo gathering sharded CUDA tensors
+    (pytorch#132471)."""
+    instead = ("use --share-gpus nccl" if nccl_shares_gpus(nccl) else
+               f"this torch's NCCL ({nccl_name(nccl)}) cannot share a GPU: use a torch whose NCCL "
+               f"is 2.30 or newer, pass --num_processes {gpus} (per node) to accelerate launch, or "
+               f"rehearse the launch with train_ddp.py --share-gpus")
+    raise UserError(f"--share-gpus: FSDP2's processes share a GPU over NCCL only (over gloo its "
+                    f"collectives on sharded CUDA tensors crash, pytorch#132471); {instead}")
+
+
 def wrap_each_block(accelerator, model: torch.nn.Module, name: str) -> None:
     """Make each of the BLOCKS ``model`` (--model ``name``) is made of an FSDP unit of its own, when
     ``prepare`` shards it, under the plugin's auto_wrap_policy="transformer_based_wrap": the
@@ -78,6 +97,38 @@ def average_buffers(accelerator, model: torch.nn.Module) -> None:
     step gives what one average at the end would (up to rounding), and every process evaluates and
     saves the same buffers (a sharded checkpoint stores the main process's only)."""
     mean_over_processes(accelerator, [b for b in model.buffers() if b.is_floating_point()])
+
+
+class ShardedWeightAverage(WeightAverage):
+    """common.recipe.ema.WeightAverage of a model FSDP2 shards. Each parameter is a DTensor of which
+    a process holds one slice, and deepcopy or torch.optim.swa_utils.AveragedModel refuse the
+    sharded module: the average is kept of the local slices, so it is sharded like the weights and
+    costs 1/N of them. A checkpoint holds it whole: state_dict() gathers each averaged slice into
+    the full tensor (save_as_data calls it on every process, and writes the main process's), and
+    load_state_dict() cuts the full tensor back into this process's slice."""
+
+    def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
+        super().__init__(accelerator, model, decay)  # of the DTensors, whose layouts are kept
+        self.layouts = [t if isinstance(t, DTensor) else None for t in self.live]
+        self.live = [t.to_local() if isinstance(t, DTensor) else t for t in self.live]  # slices
+        self.average = [t.detach().clone() for t in self.live]
+
+    def state_dict(self) -> dict:
+        """The whole average: each slice gathered (an all-gather, a collective)."""
+        return {"updates": self.updates, "decay": self.decay, "average": {
+            name: (average if layout is None else DTensor.from_local(
+                average, layout.device_mesh, layout.placements, run_check=False,
+                shape=layout.shape, stride=layout.stride()).full_tensor()).cpu()
+            for name, average, layout in zip(self.names, self.average, self.layouts)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The whole average cut back into this process's slice of each tensor."""
+        layouts = dict(zip(self.names, self.layouts))
+        super().load_state_dict({**state, "average": {
+            name: tensor if layouts[name] is None else distribute_tensor(
+                tensor.to(layouts[name].device), layouts[name].device_mesh,
+                layouts[name].placements).to_local()
+            for name, tensor in state["average"].items()}})
 
 
 def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.Module | None:

@@ -47,16 +47,16 @@ def nccl_version() -> tuple[int, ...] | None:
 
 
 def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
-                     nccl: tuple[int, ...] | None, sharded: bool = False) -> tuple[int, str | None]:
+                     nccl: tuple[int, ...] | None, refuse_gloo=None) -> tuple[int, str | None]:
     """How ``processes`` sit on a node of ``gpus`` GPUs: the processes on the busiest GPU (0: no
     GPU, 1: a GPU each) and the process group's backend to ask Accelerate for (None: its default,
     NCCL on GPUs, gloo on CPUs). One per GPU, or with --share-gpus ``share`` (auto, nccl, gloo)
     several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
     Without --share-gpus more processes than GPUs is refused: it is a launch meant for another
     machine (8gpu.yaml on 4 GPUs), where NCCL would fail at its first collective ("Duplicate GPU
-    detected") or, from 2.30, share the GPUs without a word. FSDP2 (``sharded``) shares a GPU over
-    NCCL only: over gloo its processes crashed with SIGSEGV on an H200 (torch 2.11, NCCL 2.28.9,
-    docs/gpu/nvidia-h200.md), gloo gathering sharded CUDA tensors (pytorch#132471)."""
+    detected") or, from 2.30, share the GPUs without a word. ``refuse_gloo(nccl, gpus)``, given by
+    a script whose processes share a GPU over NCCL only (FSDP2's, common.parallel.fsdp), refuses
+    gloo."""
     if not gpus:  # the CPU: gloo, as without the flag (named when asked, as on GPUs)
         if share == "nccl":
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
@@ -71,16 +71,10 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
                         f"use a config for {gpus} GPUs (to rehearse this launch here, several "
                         f"processes a GPU: add --share-gpus)")
     nccl_chosen = share in ("auto", "nccl") and nccl_shares_gpus(nccl)
-    if sharded and not nccl_chosen:
-        instead = ("use --share-gpus nccl" if nccl_shares_gpus(nccl) else
-                   f"this torch's NCCL ({_version(nccl)}) cannot share a GPU: use a torch whose "
-                   f"NCCL is 2.30 or newer, pass --num_processes {gpus} (per node) to accelerate "
-                   f"launch, or rehearse the launch with train_ddp.py --share-gpus")
-        raise UserError(f"--share-gpus: FSDP2's processes share a GPU over NCCL only (over gloo "
-                        f"its collectives on sharded CUDA tensors crash, pytorch#132471); "
-                        f"{instead}")
+    if refuse_gloo and not nccl_chosen:
+        refuse_gloo(nccl, gpus)
     if share == "nccl" and not nccl_chosen:
-        raise UserError(f"--share-gpus nccl: this torch's NCCL ({_version(nccl)}) refuses several "
+        raise UserError(f"--share-gpus nccl: this torch's NCCL ({nccl_name(nccl)}) refuses several "
                         f"processes on one GPU; 2.30 and newer share it: use --share-gpus gloo")
     return per_gpu, "nccl" if nccl_chosen else "gloo"
 
@@ -90,14 +84,14 @@ def nccl_shares_gpus(nccl: tuple[int, ...] | None) -> bool:
     return nccl is not None and nccl >= NCCL_SHARES_GPUS
 
 
-def _version(nccl: tuple[int, ...] | None) -> str:
+def nccl_name(nccl: tuple[int, ...] | None) -> str:
     """NCCL's version as people write it, 2.30.7; "none" without NCCL."""
     return ".".join(map(str, nccl)) if nccl else "none"
 
 
-def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
+def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
     """One process per GPU, or with --share-gpus ``share`` several, set up in this process: the
-    backend for Accelerate (None: its default); FSDP2 (``sharded``) only over NCCL. A launch with
+    backend for Accelerate (None: its default), gloo refused by ``refuse_gloo``. A launch with
     more processes than GPUs and no --share-gpus is refused, in one line from each node's first
     process (the others exit quietly). Shared GPUs change three things here. Accelerate hands DDP
     device_ids=[local rank] (accelerator.py, prepare_model), a GPU this node lacks once processes
@@ -113,7 +107,7 @@ def set_gpu_sharing(share: str | None, sharded: bool = False) -> str | None:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read as NCCL's process group is made
     try:
         per_gpu, backend = plan_gpu_sharing(share, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                            torch.cuda.device_count(), nccl_version(), sharded)
+                                            torch.cuda.device_count(), nccl_version(), refuse_gloo)
     except UserError:
         ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -150,10 +144,10 @@ def launch_record(accelerator) -> dict:
     if per_gpu and per_gpu > 1:
         nccl = nccl_version()
         # Accelerate may name it "cuda:nccl,cpu:gloo" (FSDP with full state dicts): NCCL on the GPUs
-        over = (f"NCCL {_version(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if "nccl" in backend else
+        over = (f"NCCL {nccl_name(nccl)} (NCCL_MULTI_RANK_GPU_ENABLE=1)" if "nccl" in backend else
                 f"{backend}, its collectives copied through host memory"
                 + ("" if nccl_shares_gpus(nccl) else
-                   f" (NCCL {_version(nccl)} cannot share a GPU: 2.30 can)"))
+                   f" (NCCL {nccl_name(nccl)} cannot share a GPU: 2.30 can)"))
         record["gpu_sharing"] = (
             f"warning: --share-gpus: {processes} processes on {gpus} GPU(s) of this node, up to "
             f"{per_gpu} a GPU, over {over}: a rehearsal that proves the launch, its collectives, "

@@ -18,16 +18,11 @@ every update (one small all-reduce), so every process holds the same average, ev
 and resumes from the copy the main process saves (save_as_data writes the main process's) bit for
 bit.
 
-Under FSDP2 each parameter is a DTensor of which a process holds one slice, and deepcopy or
-torch.optim.swa_utils.AveragedModel refuse the sharded module: the average is kept of the local
-slices, so it is sharded like the weights and costs 1/N of them. A checkpoint holds it whole:
-state_dict() gathers each averaged slice into the full tensor (save_as_data calls it on every
-process, and writes the main process's), and load_state_dict() cuts the full tensor back into
-this process's slice.
+Under FSDP2 each process averages its slice of the weights: common.parallel.fsdp's
+ShardedWeightAverage.
 """
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.recipe.evaluation import evaluate
 from common.data_only import save_as_data
@@ -42,19 +37,15 @@ class WeightAverage:
     def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
         self.accelerator, self.decay, self.updates = accelerator, decay or 0.0, 0
         self.names, self.live, self.average, self.buffers = [], [], [], []
-        self.sharded = []  # FSDP2: each parameter's DTensor (its layout), None for a whole tensor
         if not self.decay:
             return
         plain = accelerator.unwrap_model(model)
         for name, tensor in [*plain.named_parameters(), *plain.named_buffers()]:
             if tensor.is_floating_point():
-                sharded = tensor.data if isinstance(tensor.data, DTensor) else None
-                local = sharded.to_local() if sharded is not None else tensor.data  # this slice
                 self.names.append(name)
-                self.live.append(local)
-                self.average.append(local.detach().clone())
+                self.live.append(tensor.data)
+                self.average.append(tensor.data.detach().clone())
                 self.buffers.append(not isinstance(tensor, torch.nn.Parameter))
-                self.sharded.append(sharded)
         save_as_data(accelerator, self, "weight_average")
 
     @torch.no_grad()
@@ -90,28 +81,13 @@ class WeightAverage:
             torch._foreach_copy_(self.live, self.average)
 
     def state_dict(self) -> dict:
-        """The whole average (FSDP2: its slices gathered, a collective every process calls)."""
         return {"updates": self.updates, "decay": self.decay,
-                "average": {name: whole(average, layout).cpu() for name, average, layout in
-                            zip(self.names, self.average, self.sharded)}}
+                "average": {name: average.cpu() for name, average in zip(self.names, self.average)}}
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = state["updates"]
-        saved = [state["average"][name] for name in self.names]
-        with torch.no_grad():  # FSDP2: this process's slice of each whole tensor
-            torch._foreach_copy_(self.average, [
-                tensor if layout is None else distribute_tensor(
-                    tensor.to(layout.device), layout.device_mesh, layout.placements).to_local()
-                for tensor, layout in zip(saved, self.sharded)])
-
-
-def whole(local: torch.Tensor, layout: DTensor | None) -> torch.Tensor:
-    """``local`` itself, or (FSDP2) the full tensor of which it is this process's slice, laid out as
-    ``layout``: an all-gather, a collective."""
-    if layout is None:
-        return local
-    return DTensor.from_local(local, layout.device_mesh, layout.placements, run_check=False,
-                              shape=layout.shape, stride=layout.stride()).full_tensor()
+        with torch.no_grad():
+            torch._foreach_copy_(self.average, [state["average"][name] for name in self.names])
 
 
 @torch.no_grad()
