@@ -236,7 +236,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_augment_args(args)
     for dest in ("epochs", "batch_size", "keep_checkpoints", "log_every", "reference_batch_size",
                  "grad_accum", "checkpoint_every", "max_steps"):  # the last two: None, not given
-        if (value := getattr(args, dest)) is not None and value < 1:
+        value = getattr(args, dest)
+        if value is not None and value < 1:
             raise UserError(f"--{dest.replace('_', '-')} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)

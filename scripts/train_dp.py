@@ -187,7 +187,7 @@ def main(args):
     # ----------------------------------------------------------------------------------- train
     stop_step = min(total_steps, args.max_steps or total_steps)
     step_logger = StepLogger(accelerator, args.log_every, args.batch_size)
-    meter = EpochMeter(accelerator.device, args.batch_size)  # the epoch's loss, time, data wait
+    meter = EpochMeter(accelerator.device, args.batch_size, devices)  # DP: all GPUs' utilisation
     guard = StepGuard(accelerator, output_dir)  # what every process decides after each step
     guard.install_signal_handlers()  # SIGTERM, SIGUSR1: finish the step, save it, exit 75
     checkpointer = Checkpointer(accelerator, output_dir, args.checkpoint_every,

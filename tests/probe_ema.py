@@ -1,8 +1,9 @@
 """Run a training script and keep what each process's weight average holds at the end: a test tool.
 
 Accelerate saves the average from the main process only, so the other processes' copies are seen
-nowhere else. When the run applies the average (before model.safetensors), each process writes its
-copy to $EMA_PROBE_DIR/rank<N>.pt.
+nowhere else. Each time the run applies the average (each epoch's evaluation of it, and before
+model.safetensors), each process writes its copy to $EMA_PROBE_DIR/rank<N>.pt: the last write holds
+the final average.
 
     accelerate launch ... tests/probe_ema.py scripts/train_ddp.py ARGS...
 """

@@ -51,7 +51,8 @@ def open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size, synthetic
                            TensorSplit(data.test_images, data.test_labels, "synthetic test"),
                            data.classes, data.source)
     if data_dir is not None:  # the cache folder only for parquet, made then (cache_folder)
-        return detect_format(Path(data_dir).expanduser())[-1](cache_dir)  # its reader
+        *_, read = detect_format(Path(data_dir).expanduser())
+        return read(cache_dir)
     return download(dataset)
 
 

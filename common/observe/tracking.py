@@ -37,7 +37,7 @@ from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_availabl
 
 from common.errors import first_line
 from common.failures import main_alone
-from common.observe.utilisation import DataWait, GpuBusy, process_gpus, utilisation_figures
+from common.observe.utilisation import DataWait, GpuBusy, utilisation_figures
 from common.run.record import flat_config, write_config, write_metrics
 
 DEFAULT_PROJECT = "multigpu-cifar"
@@ -215,8 +215,6 @@ def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
 def track(accelerator, values: dict, step: int) -> None:
     """Log ``values`` at the global optimizer ``step`` (main process); lists become key/0,
     key/1..."""
-    if not accelerator.trackers:
-        return
     flat = {}
     for key, value in values.items():
         if isinstance(value, (list, tuple)):
@@ -317,12 +315,14 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
 class EpochMeter:
     """One epoch's figures for its log line and metrics.jsonl: the training loss, the time, images
     per second, the share of the time spent waiting for batches (``wait``, a DataWait) and each
-    GPU's utilisation (common.observe.utilisation). The loss is summed on the device and read
-    once, at the end of the epoch."""
+    GPU's utilisation (common.observe.utilisation): of ``gpus`` (DataParallel's), else of the
+    training device if it is one. The loss is summed on the device and read once, at the end of
+    the epoch."""
 
-    def __init__(self, device: torch.device, batch_size: int):
+    def __init__(self, device: torch.device, batch_size: int, gpus: list | None = None):
         self.device, self.batch_size, self.wait = device, batch_size, DataWait(device)
-        self.busy = GpuBusy(process_gpus(device))  # each GPU's utilisation, read by NVML
+        own = [device] if device.type == "cuda" else []
+        self.busy = GpuBusy(own if gpus is None else gpus)  # each GPU's utilisation, read by NVML
 
     def start(self) -> None:
         """Before the epoch's first batch."""

@@ -3,9 +3,9 @@ training, never in the training step (no host-device synchronisation).
 
 NVML's utilisation is the share of the last sample period (1/6 s to 1 s, by GPU) in which a kernel
 ran on the GPU; it is read every SAMPLE_SECONDS through torch.cuda.utilization (the nvidia-ml-py
-package) and averaged over the epoch. A process of a DDP job reads its own GPU and the job's
-figures are gathered (one value per GPU, in process order); a lone process reads every GPU it can
-see, so DataParallel's replicas are all there. Where there is no GPU, or no NVML, ``why_absent``
+package) and averaged over the epoch. A process reads the GPUs it trains on: its own, or
+DataParallel's replicas' (common.observe.tracking.EpochMeter); the job's figures are gathered (one
+value per GPU, in process order). Where there is no GPU, or no NVML, ``why_absent``
 says why, in the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each
 process's peak of allocated GPU memory (peak_memory); and how long training waited for its
 batches (DataWait).
@@ -15,7 +15,6 @@ import threading
 import time
 
 import torch
-from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from common.errors import first_line
@@ -69,16 +68,6 @@ class GpuBusy:
             if self.count:
                 return [round(s / self.count, 1) for s in self.sums]
         return self._now()
-
-
-def process_gpus(device: torch.device) -> list[torch.device]:
-    """The GPUs this process trains on: its own under a launcher of several processes, every
-    visible one when it is alone (DataParallel's replicas); none on a CPU."""
-    if device.type != "cuda":
-        return []
-    if PartialState().num_processes > 1:
-        return [device]
-    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
 
 def utilisation_figures(busy: GpuBusy) -> dict:

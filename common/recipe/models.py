@@ -17,7 +17,9 @@ Our own models take any size from 8 px (global average pooling before the classi
 always random here: pretrained ones are loaded by common.data.pretrained, from their file.
 """
 
+import copy
 import difflib
+import itertools
 import warnings
 
 import torch
@@ -126,23 +128,16 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
         return model
     if name in _BLOCKS_PER_STAGE:
         return CifarResNet(_BLOCKS_PER_STAGE[name], num_classes)
-    model = _library_model(name, num_classes)
-    if image_size is not None:
-        # Built again on the meta device: its forward computes shapes only, in milliseconds at any
-        # size, where a 1-image forward on the CPU takes seconds at 224 px for the larger models.
-        with torch.device("meta"):
-            _check_image_size(_library_model(name, num_classes), name, num_classes, image_size)
-    return model
-
-
-def _library_model(name: str, num_classes: int) -> nn.Module:
-    """A torchvision:NAME or timm:NAME model of random weights."""
     if name.startswith(TORCHVISION_PREFIX):
-        return _torchvision_model(name.removeprefix(TORCHVISION_PREFIX), num_classes)
-    import timm  # imported by the runs that use it only: it takes a second
+        model = _torchvision_model(name.removeprefix(TORCHVISION_PREFIX), num_classes)
+    else:
+        import timm  # imported by the runs that use it only: it takes a second
 
-    return timm.create_model(name.removeprefix(TIMM_PREFIX), pretrained=False,
-                             num_classes=num_classes)
+        model = timm.create_model(name.removeprefix(TIMM_PREFIX), pretrained=False,
+                                  num_classes=num_classes)
+    if image_size is not None:
+        _check_image_size(_shapes_only(model), name, num_classes, image_size)
+    return model
 
 
 def check_timm_name(name: str, timm_name: str) -> None:
@@ -197,6 +192,18 @@ def _torchvision_model(tv_name: str, num_classes: int) -> nn.Module:
             model = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes,
                                                  aux_logits=False)
     return model
+
+
+def _shapes_only(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device: its modules, no data. A forward there computes
+    shapes only, in milliseconds at any size, and leaves the model and the random number generator
+    alone (a 1-image forward on the CPU takes seconds at 224 px for the larger models)."""
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
+    return copy.deepcopy(model, memo)
 
 
 # torchvision's classifiers are made for ImageNet's 224 px: every one takes it (inception_v3, made

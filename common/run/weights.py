@@ -81,8 +81,9 @@ def _plain(error: Exception) -> str:
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
     telling line, "Unsupported global: GLOBAL __main__.Net ...", is kept."""
     text = _ANSI.sub("", str(error))
-    if told := re.search(r"WeightsUnpickler error:[ \t]*(\S.*?)(?: was not |\. |[ \t]*$)", text,
-                         re.MULTILINE):
+    told = re.search(r"WeightsUnpickler error:[ \t]*(\S.*?)(?: was not |\. |[ \t]*$)", text,
+                     re.MULTILINE)
+    if told:
         return (f"it holds pickled objects, not only tensors: {told[1]}; save model.state_dict() "
                 f"instead")
     return _ANSI.sub("", first_line(error))
