@@ -123,12 +123,11 @@ class ShardedWeightAverage(WeightAverage):
 
     def load_state_dict(self, state: dict) -> None:
         """The whole average cut back into this process's slice of each tensor."""
-        layouts = dict(zip(self.names, self.layouts))
         super().load_state_dict({**state, "average": {
-            name: tensor if layouts[name] is None else distribute_tensor(
-                tensor.to(layouts[name].device), layouts[name].device_mesh,
-                layouts[name].placements).to_local()
-            for name, tensor in state["average"].items()}})
+            name: state["average"][name] if layout is None else distribute_tensor(
+                state["average"][name].to(layout.device), layout.device_mesh,
+                layout.placements).to_local()
+            for name, layout in zip(self.names, self.layouts)}})
 
 
 def gathered_model(accelerator, model, name: str, num_classes: int) -> torch.nn.Module | None:
