@@ -110,8 +110,11 @@ class ShardedWeightAverage(WeightAverage):
     def __init__(self, accelerator, model: torch.nn.Module, decay: float | None):
         super().__init__(accelerator, model, decay)  # of the DTensors, whose layouts are kept
         self.layouts = [t if isinstance(t, DTensor) else None for t in self.live]
-        self.live = [t.to_local() if isinstance(t, DTensor) else t for t in self.live]  # slices
-        self.average = [t.detach().clone() for t in self.live]
+
+        def local(tensor):  # this process's slice of a DTensor: its own storage, no copy
+            return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        self.live = [local(t) for t in self.live]
+        self.average = [local(t) for t in self.average]  # the base class's clones, sliced
 
     def state_dict(self) -> dict:
         """The whole average: each slice gathered (an all-gather, a collective)."""
