@@ -70,9 +70,11 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # the wait was cut short by the signa
     wait "$srun_pid" || status=$?
 done
 
-# After passing a signal on, torch's launcher exits 1 whatever its workers' 75, so the shell goes by
-# the signal it passed on: stopped for the time limit and not finished (no final weights) means
-# requeue. A failure without that signal, or scancel, ends the job with the step's exit code.
+# After passing a signal on, torch's launcher exits 1 (accelerate < 1.16) or 138 (128 + SIGUSR1,
+# accelerate >= 1.16) whatever its workers' 75, and 138 is also a launcher killed by SIGUSR1
+# (docs/usage.md). So the shell goes by the signal it passed on: stopped for the time limit and not
+# finished (no final weights) means requeue. A failure without that signal, or scancel, ends the job
+# with the step's exit code.
 if [[ -n $time_is_up && $status -ne 0 && ! -e $OUTPUT_DIR/model.safetensors ]]; then
     echo "stopped before the time limit: requeued, to continue from the checkpoint in $OUTPUT_DIR"
     scontrol requeue "$SLURM_JOB_ID"
