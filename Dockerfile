@@ -4,8 +4,8 @@
 #   docker push registry.example.com/multigpu-cifar:0.1.0
 # Never built here: these machines have no Docker engine and reach no registry. Checked by
 # tests/test_kubernetes.py: the instructions parse, the base is pinned by digest, torch is pinned
-# to a release that reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT, the user is not root and is the one the
-# runtime runs as, the caches are on the volume. docs/usage.md says what was not checked.
+# to a release that reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT, a C compiler for Triton is installed, the
+# user is not root and is the one the runtime runs as, the caches are on the volume. docs/usage.md says what was not checked.
 #
 # The base by digest: the same bytes at every build (a tag moves). Taken from the python:3.11-slim
 # of Docker Hub as public Dockerfiles pin it; not resolved here. To move to a newer one:
@@ -34,6 +34,14 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 # The manifests' command (torchrun_pod.py, scripts/train_ddp.py) and run folders (runs/, the
 # volume's mount point) are relative to this folder.
 WORKDIR /workspace
+
+# A C compiler and the C library's headers: Inductor's GPU kernels are Triton's, which builds its
+# launcher with the C compiler it finds at run time (CC, else gcc), against Python's headers (the
+# python image has them). Without one, --compile auto trains eagerly and says why; --compile
+# inductor could not compile at all. The slim image has none.
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # The requirements in a layer of their own, so that editing a script does not reinstall torch: the
 # scripts' (requirements.txt) and the optional ones a cluster run wants (nvidia-ml-py for each GPU's

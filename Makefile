@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # value of a flag wins, e.g. make demo ARGS="--epochs 2 --model resnet32".
 ARGS ?=
 
-.PHONY: demo test ddp bench gpu-check gpu-wheels diffs clean
+.PHONY: demo test test-floor ddp bench gpu-check gpu-wheels diffs clean
 
 $(BIN)/.installed: requirements.txt requirements-optional.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,21 @@ gpu-wheels: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m compileall -q common bench scripts > /dev/null
 	$(BIN)/python -m pytest -q -n 3
+
+# The floors of requirements.txt and requirements-optional.txt, each a version a test ran
+# (docs/install.md): uv installs the lowest versions the files allow (pip has no such mode) into
+# .venv-floor, and the smoke set of the suite
+# (the tests marked floor: train_single, a resume, evaluate.py, 2-process DDP, a fine-tune, the three
+# trackers) runs there, from the repository's root. .ci/run runs it after the suite.
+FLOOR := .venv-floor
+$(FLOOR)/.installed: requirements.txt requirements-optional.txt $(BIN)/.installed
+	test -x $(FLOOR)/bin/python || $(BIN)/uv venv --quiet --python $(PYTHON) $(FLOOR)
+	$(BIN)/uv pip install --quiet --python $(FLOOR)/bin/python --resolution lowest-direct \
+		-r requirements.txt -r requirements-optional.txt "pytest>=8.0"
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	PYTHONPATH=. $(FLOOR)/bin/python -m pytest -q -m floor -p no:cacheprovider
 
 # The lessons as diffs: each strategy script against the script it builds on (docs/diffs/).
 diffs: $(BIN)/.installed

@@ -60,6 +60,10 @@ PLAN = [
           "compiled one launched again from the cache; operators and CUDA runtime calls per step "
           "against the plain loop, eager and with the defaults", 200, "--strategies", "single",
           "--checks", "tta", "ops", bf16=True),
+    check("test_auto_decides_from_this_gpu_and_a_weight_average_resumes_across_compile_settings",
+          "--compile auto on the GPU's own properties (compute capability, Triton, the C compiler "
+          "Triton finds); a weight average checkpointed under CUDA graphs resumes eager, bit for bit",
+          70),
     bench("benchmark-defaults", "img/s at batch 128: the defaults against eager and the fastest "
           "configuration; data wait; the plain-loop ratio", 90, "--steps", "30", "--strategies",
           "single", "defaults", "bf16-graphs", "--checks", "overhead", bf16=True),

@@ -8,6 +8,7 @@ graphs, in test_gpu.py."""
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -17,13 +18,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import TorchDynamoPlugin
-from helpers import DATA, run
+from helpers import DATA, ROOT, run
 from test_faults_data import read_only_home  # noqa: F401 - a fixture: a real read-only mount
 from torch._dynamo.utils import counters
+from torch.utils._triton import has_triton_package
 
 from common.errors import UserError
 from common.parallel.data_parallel import check_compile_flag
-from common.recipe.compiling import TORCH_DEFAULT, chosen, compile_line, set_up_compiling
+from common.recipe import compiling
+from common.recipe.compiling import TORCH_DEFAULT, chosen, compile_line, set_up_compiling, triton_cannot_build
 
 # two steps of the smallest model, in a new run folder under the working directory's runs/
 TINY_RUN = [*DATA, "--model", "resnet20", "--batch-size", "16", "--epochs", "1", "--max-steps", "2",
@@ -93,26 +96,80 @@ def test_reduce_overhead_on_a_cpu_trains_as_eager_and_a_schedule_recompiles_noth
     assert counters["stats"]["unique_graphs"] == graphs[0] + 2  # evaluation: batch 16, then 5
 
 
-def flags(compile="auto", mode="default", grad_accum=1, deterministic=False, output_dir=None):
+def flags(compile="auto", mode="default", grad_accum=1, deterministic=False, output_dir=None, profile=None):
     return argparse.Namespace(compile=compile, compile_mode=mode, grad_accum=grad_accum,
-                              deterministic=deterministic, output_dir=output_dir)
+                              deterministic=deterministic, output_dir=output_dir, profile=profile)
 
 
-@pytest.mark.parametrize("given, cuda, model_is, processes, expected", [
-    (flags(), False, "whole", 1, ("no", "default")),  # a CPU run stays eager
-    (flags(), True, "whole", 1, ("inductor", "reduce-overhead")),  # one process on a GPU: CUDA graphs
-    (flags(grad_accum=2), True, "whole", 1, ("inductor", "default")),  # no graphs with accumulation
-    (flags(deterministic=True), True, "whole", 1, ("no", "default")),  # eager's kernels
-    (flags(), True, "whole", 2, ("no", "default")),  # DDP: BatchNorm makes Inductor skip the graphs
-    (flags(), True, "replicas", 1, ("no", "default")),  # DataParallel
-    (flags(), True, "shards", 2, ("no", "default")),  # FSDP2
-    (flags("none"), True, "whole", 1, ("no", "default")),  # the old behaviour, asked for
-    (flags("inductor", "max-autotune"), False, "whole", 1, ("inductor", "max-autotune")),  # as given
-    (flags("inductor", "reduce-overhead"), True, "whole", 4, ("inductor", "reduce-overhead")),
-    (flags("aot_eager"), True, "shards", 2, ("aot_eager", "default")),
+OLD_GPU = "compute capability 6.1; Triton needs 7.0 or more"
+
+
+@pytest.mark.parametrize("given, cannot, model_is, processes, expected", [
+    (flags(), "no GPU", "whole", 1, ("no", "default")),  # a CPU run stays eager
+    (flags(), None, "whole", 1, ("inductor", "reduce-overhead")),  # one process on a GPU: CUDA graphs
+    (flags(), OLD_GPU, "whole", 1, ("no", "default")),  # a GPU Inductor cannot compile for
+    (flags(profile="5"), None, "whole", 1, ("no", "default")),  # a trace of CUDA graphs shows no layers
+    (flags(grad_accum=2), None, "whole", 1, ("inductor", "default")),  # no graphs with accumulation
+    (flags(deterministic=True), None, "whole", 1, ("no", "default")),  # eager's kernels
+    (flags(), None, "whole", 2, ("no", "default")),  # DDP: BatchNorm makes Inductor skip the graphs
+    (flags(), None, "replicas", 1, ("no", "default")),  # DataParallel
+    (flags(), None, "shards", 2, ("no", "default")),  # FSDP2
+    (flags("none"), None, "whole", 1, ("no", "default")),  # the old behaviour, asked for
+    (flags("inductor", "max-autotune"), "no GPU", "whole", 1, ("inductor", "max-autotune")),  # as given
+    (flags("inductor", "reduce-overhead"), OLD_GPU, "whole", 4, ("inductor", "reduce-overhead")),
+    (flags("aot_eager"), None, "shards", 2, ("aot_eager", "default")),
 ])
-def test_auto_compiles_with_cuda_graphs_for_one_process_on_a_gpu_only(given, cuda, model_is, processes, expected):
-    assert chosen(given, cuda, model_is, processes) == expected
+def test_auto_compiles_with_cuda_graphs_for_one_process_on_a_gpu_only(given, cannot, model_is, processes, expected):
+    assert chosen(given, cannot, model_is, processes) == expected
+
+
+def test_auto_knows_when_triton_cannot_build_its_launcher(monkeypatch, tmp_path):
+    """Triton's kernels need Triton and a C compiler at run time, found as Triton finds it (CC, else gcc,
+    else clang) and tried for real: none on PATH, one that fails, Python's headers missing, Triton not
+    importable; this machine's own gcc works."""
+    assert triton_cannot_build() is None
+    monkeypatch.setenv("PATH", str(tmp_path))  # a folder without gcc or clang
+    assert triton_cannot_build() == "no C compiler for Triton's launcher: install gcc, or name one in CC"
+    monkeypatch.setenv("CC", "/bin/false")
+    assert triton_cannot_build() == "the C compiler /bin/false fails (exit 1): install gcc, or name one in CC"
+    monkeypatch.setenv("CC", "/usr/bin/gcc")
+    monkeypatch.setattr(compiling.sysconfig, "get_paths", lambda scheme: {"include": str(tmp_path)})
+    assert re.fullmatch(r"the C compiler /usr/bin/gcc fails \(.*Python\.h.*\): install gcc, or name one in CC",
+                        triton_cannot_build())
+    monkeypatch.setitem(sys.modules, "triton", None)  # as Python sees a package that is not installed
+    has_triton_package.cache_clear()  # torch asks once a process
+    try:
+        assert triton_cannot_build() == "Triton is not installed: torch's wheels for Linux bring it"
+    finally:
+        monkeypatch.undo()
+        has_triton_package.cache_clear()
+    assert triton_cannot_build() is None
+
+
+def test_under_auto_a_failed_compile_warns_once_and_trains_eagerly(monkeypatch, fresh_state, capsys):
+    """A real failure (Inductor's C++ compiler is /bin/false) on a machine where auto compiles: one warning
+    line for the run's graphs (training, evaluation), no traceback, and the losses of an eager run."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # set_up_compiling sets it
+    monkeypatch.setattr(logging.getLogger("torch._dynamo.convert_frame"), "filters", [])
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/bin/false"))
+    monkeypatch.setattr(compiling, "why_eager_here", lambda: None)  # as on a GPU Inductor compiles for
+    plugin = set_up_compiling(flags())
+    assert plugin.to_kwargs() == {"backend": "inductor", "mode": "reduce-overhead", "dynamic": False}
+    accelerator = Accelerator(cpu=True, dynamo_plugin=plugin)
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(3)]
+    losses = {}
+    for name, wrap in [("eager", lambda m: m), ("auto", accelerator.prepare_model)]:
+        model = wrap(small_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[name] = train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1), batches)
+        with torch.no_grad():
+            model.eval()(batches[0][0][:3])  # evaluation: another graph, another failure
+    assert losses["auto"] == losses["eager"]
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and re.fullmatch(
+        r"warning: --compile auto could not compile the model \(InductorError: InvalidCxxCompiler: .*\): it trains "
+        r"eagerly; --compile none skips the attempt", said[0]), said
 
 
 def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
@@ -120,9 +177,13 @@ def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
     assert compile_line({"compile": "none"}, "cuda:0", "no", "default") is None
     assert compile_line({"compile": "auto"}, "cpu", "no", "default") == (
         "--compile auto: eager (no GPU); --compile inductor compiles")
+    monkeypatch.setattr(compiling, "why_eager_here", lambda: None)
     assert compile_line({"compile": "auto"}, "cuda:0", "no", "default") == (
-        "--compile auto: eager (CUDA graphs only for one process training a whole model, without --deterministic); "
-        "--compile inductor compiles")
+        "--compile auto: eager (CUDA graphs only for one process training a whole model, without --deterministic "
+        "or --profile); --compile inductor compiles")
+    monkeypatch.setattr(compiling, "why_eager_here", lambda: OLD_GPU)
+    assert compile_line({"compile": "auto"}, "cuda:0", "no", "default") == (
+        f"--compile auto: eager ({OLD_GPU}); --compile inductor compiles")
     assert compile_line({"compile": "auto"}, "cuda:0", "inductor", "reduce-overhead") == (
         "--compile auto: the model compiled at its first step and first evaluation, its steps replayed as CUDA "
         "graphs; cached in /runs/.compile-cache; auto: a small model's step waits on kernel launches; "
@@ -176,3 +237,9 @@ def test_a_model_that_fails_to_compile_stops_in_one_line_and_its_advice_trains_i
     done = run("train_single.py", *command, *advice, cwd=tmp_path, env_extra={"CXX": "/bin/false"})
     assert "done: step 2" in done.stdout
     assert "--compile" not in done.stdout.split("\n")[1]  # an eager run asked for says nothing of compiling
+    # The default, on a machine where auto compiles (tests/probe_ready_gpu.py): one warning, trained eagerly
+    auto = run("train_single.py", *TINY_RUN, cwd=tmp_path, env_extra={"CXX": "/bin/false"},
+               launcher=(sys.executable, str(ROOT / "tests" / "probe_ready_gpu.py")))
+    assert "done: step 2" in auto.stdout and "Traceback" not in auto.stderr, auto.stderr
+    warned = re.findall(r"(?:warning|error): [^\r\n]*", auto.stderr)  # the bar's line may come first
+    assert len(warned) == 1 and warned[0].endswith("it trains eagerly; --compile none skips the attempt"), warned

@@ -12,8 +12,9 @@ import re
 import pytest
 import torch
 from accelerate.utils import set_seed
-from helpers import ROOT, assert_same_weights, run, two_processes, weights
+from helpers import ROOT, assert_same_weights, relist, run, two_processes, weights
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from common.recipe.models import build_model
 
@@ -89,6 +90,33 @@ def test_a_two_process_resume_is_bit_for_bit(tmp_path):
     accuracies = [[json.loads(line)["test_acc_ema"] for line in (out / "metrics.jsonl").read_text().splitlines()]
                   for out in (whole, resumed)]
     assert accuracies[0] == accuracies[1]
+
+
+def average_in(checkpoint) -> dict:
+    return {k.removeprefix("average/"): v for k, v in load_file(checkpoint / "weight_average.safetensors").items()}
+
+
+@pytest.mark.parametrize("saved, resumed", [("aot_eager", "none"), ("none", "aot_eager"), ("old", "none")])
+def test_a_weight_average_resumes_whatever_compiled_it(saved, resumed, tmp_path):
+    """A checkpoint written compiled resumes eager, and one written eager resumes compiled: no name
+    saved carries torch.compile's _orig_mod. (aot_eager wraps the model as Inductor does, without
+    its minute of compiling on a CPU). "old": a compiled run's checkpoint as the last release wrote
+    it, _orig_mod. in every name of the average, still loads. Resumed to the step it was saved at,
+    the run writes the average it loaded as its final weights: the saved one, bit for bit."""
+    out = tmp_path / "run"
+    first = ["--compile", "none" if saved == "old" else saved]
+    run("train_single.py", *FLAGS, *first, "--max-steps", 4, "--output-dir", out, cwd=tmp_path)
+    checkpoint = out / "checkpoints" / "step_00000004"
+    average = average_in(checkpoint)
+    assert not any(k.startswith("_orig_mod.") for k in [*average, *weights(checkpoint)])
+    if saved == "old":
+        save_file({f"average/_orig_mod.{k}": v for k, v in average.items()}, checkpoint / "weight_average.safetensors")
+        relist(checkpoint)
+    done = run("train_single.py", *FLAGS, "--compile", resumed, "--max-steps", 4, "--output-dir", out, "--resume",
+               cwd=tmp_path)
+    assert f"resumed from {checkpoint}" in done.stdout, done.stdout
+    final = weights(out)
+    assert all(torch.equal(final[k], v) for k, v in average.items()) and average.keys() <= final.keys()
 
 
 @pytest.mark.parametrize("script, flags, message", [

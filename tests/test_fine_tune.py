@@ -180,6 +180,7 @@ def test_head_lr_scale_finds_a_convolution_head_and_logs_the_base_lr_first():
     assert groups[0]["lr_scale"] == 1 and groups[0]["lr"] == 0.1
 
 
+@pytest.mark.floor
 def test_a_stopped_fine_tuning_resumes_bit_for_bit_with_the_same_groups(place, tuned, tmp_path):
     """... also when the weights' file is damaged or gone by then (a cleaned cache, another machine):
     the resumed run needs only what config.json recorded of them, the checkpoint holds the rest."""

@@ -339,7 +339,8 @@ def test_the_grace_period_holds_the_stop_and_torchruns_wait():
 
 def test_the_image_runs_as_the_runtimes_user_on_a_pinned_base_and_torch():
     """As far as this machine can check a Dockerfile (no Docker engine, no hadolint, no registry):
-    the instructions, the base image by digest, torch at the release read here, not root."""
+    the instructions, the base image by digest, torch at the release read here, a C compiler for
+    Triton, not root."""
     instructions = dockerfile()
     known = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "RUN", "USER", "LABEL", "EXPOSE", "ENTRYPOINT", "CMD"}
     assert {keyword for keyword, _ in instructions} <= known
@@ -349,6 +350,11 @@ def test_the_image_runs_as_the_runtimes_user_on_a_pinned_base_and_torch():
     assert args["TORCH_VERSION"] == torch.__version__.split("+")[0]  # the torch whose torchrun was read
     installs = [a for keyword, a in instructions if keyword == "RUN" and "pip install" in a]
     assert all("torch==$TORCH_VERSION" in a for a in installs if "torch" in a), installs
+    # Triton's launcher is built at run time by the C compiler it finds (gcc), with the C library's
+    # headers: the slim base has neither, and without them --compile auto would train eagerly
+    packages = [a for keyword, a in instructions if keyword == "RUN" and "apt-get install" in a]
+    assert len(packages) == 1 and {"gcc", "libc6-dev"} <= set(packages[0].split())
+    assert "--no-install-recommends" in packages[0] and "rm -rf /var/lib/apt/lists" in packages[0]
     users = [a for keyword, a in instructions if keyword == "USER"]
     assert instructions[-1][0] == "USER" and users[-1].split(":")[0] not in ("0", "root")
     context = pod_spec(manifest("runtime.yaml"))["securityContext"]

@@ -30,6 +30,7 @@ def empty_but_for_cache(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != ".cache")
 
 
+@pytest.mark.floor
 def test_tensorboard_writes_every_epoch_into_the_run_folder_beside_the_other_trackers(tmp_path):
     """All three trackers at once, each started once: Accelerate's init_trackers starts every
     tracker it holds, so starting them one at a time began a second wandb run and MLflow refused

@@ -73,7 +73,7 @@ def ddp_agreement_run(tmp_path_factory):
     return out, _run_frozen(ACCELERATE, "train_ddp.py", out, "--checkpoint-every", "2", "--keep-checkpoints", "5")
 
 
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+@pytest.mark.parametrize("launcher", [pytest.param("accelerate", marks=pytest.mark.floor), "torchrun"])
 def test_two_process_ddp_matches_one_process(one_process, tmp_path, launcher, request):
     out = tmp_path / "run"
     # torchrun: with --share-gpus gloo, which asks Accelerate for gloo by name as on a shared GPU

@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 
+import pytest
 import torch
 from accelerate.utils import set_seed
 from helpers import DATA, ROOT, TINY, assert_same_weights, run, wandb_runs, weights
@@ -56,6 +57,7 @@ def test_keeps_the_newest_checkpoints_only(full_run):
     assert names == ["step_00000032", "step_00000048"]  # --keep-checkpoints 2 by default
 
 
+@pytest.mark.floor
 def test_resume_mid_epoch_equals_uninterrupted_bitwise(full_run, tmp_path):
     reference, _ = full_run
     out = tmp_path / "run"
@@ -136,6 +138,7 @@ def test_refuses_to_run_as_several_processes(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.floor
 def test_evaluate_reproduces_the_logged_accuracy(full_run, tmp_path):
     out, _ = full_run
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]

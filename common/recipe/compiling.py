@@ -7,38 +7,42 @@ prepare() then wraps the model in torch.compile(model, backend=..., mode=...). -
 default) replays each training step of a one-process run on a CUDA GPU as CUDA graphs
 (Inductor's reduce-overhead; several processes: ``chosen``): a ResNet-18 step at batch 128 is bound
 by the host launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s
-with CUDA graphs, docs/gpu/nvidia-h200.md). Elsewhere it trains eagerly, as --compile none always
-does: on a CPU compiling costs 45-50 s and gains nothing over bf16 and channels_last
-(docs/benchmarks.md). What the CUDA-graph modes (reduce-overhead, max-autotune) need, and how the
-scripts give it:
-- static shapes: training drops the last partial batch (every step has the batch's shape) and the
-  graph is compiled for fixed shapes (dynamic=False); evaluation's last, smaller batch is one more
-  graph, recorded once.
-- no host sync inside the compiled region: the model alone is compiled; the loss is read a step
-  late on a GPU (common.parallel.step_guard).
-- the learning rate: the optimizer step is not compiled, so a schedule changes no graph and
-  recompiles nothing.
-- gradient accumulation is refused: CUDA graph trees replay into the same output buffers, and the
-  gradients of one micro-batch can be overwritten by the next's before they are added up
-  (pytorch#169545, #96693); auto then compiles without graphs.
-On a CPU there are no CUDA graphs: Inductor compiles its CPU code as in the default mode (and
-max-autotune also tunes its matrix kernels), and the start line says so.
+with CUDA graphs, docs/gpu/nvidia-h200.md). It trains eagerly, as --compile none always does, on
+a CPU (compiling costs 45-50 s there and gains nothing over bf16 and channels_last,
+docs/benchmarks.md), on a GPU Inductor cannot compile for (``why_eager_here``) and under --profile
+(a trace of CUDA graphs shows their launches, not layers: kineto#1165). A compile that fails under
+auto is one warning and the model trains eagerly (Dynamo's suppress_errors); an explicit --compile
+stops in one line. What the CUDA-graph modes (reduce-overhead, max-autotune) need, and how the
+scripts give it: static shapes (training drops the last partial batch, the graph is compiled with
+dynamic=False, evaluation's last, smaller batch is one more graph, recorded once); no host sync
+inside the compiled region (the model alone is compiled, the loss is read a step late on a GPU:
+common.parallel.step_guard); a learning rate that changes no graph (the optimizer step is not
+compiled); no gradient accumulation (graph trees replay into the same output buffers, so one
+micro-batch's gradients can be overwritten by the next's before they are added up: pytorch#169545,
+#96693; auto then compiles without graphs). On a CPU there are no CUDA graphs: Inductor compiles
+its CPU code as in the default mode (max-autotune also tunes its matrix kernels), as the start line
+says.
 
 The compile is paid once per machine and model: Inductor's caches (FX graphs, AOTAutograd, Triton
 kernels) go to TORCHINDUCTOR_CACHE_DIR, by default beside the run folders (runs/.compile-cache),
 where a resumed or restarted job and the next launch find them; torch's own default, a folder under
-/tmp, is gone when a container or pod restarts. A model that fails to compile stops the run with
-one line naming --compile none.
+/tmp, is gone when a container or pod restarts.
 """
 
+import functools
+import logging
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
 from contextlib import suppress
 from pathlib import Path
 
 import torch
 from accelerate.utils import TorchDynamoPlugin
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch.utils._triton import has_triton_package
 
 from common.errors import UserError, first_line
 
@@ -67,17 +71,50 @@ def check_compile(backend: str, mode: str, grad_accum: int) -> None:
                         f"smaller --batch-size")
 
 
-def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tuple[str, str]:
-    """The backend ("no": eager) and mode that --compile and --compile-mode give on a machine with
-    (``cuda``) or without a GPU, for one of ``processes`` that trains the ``model_is`` "whole"
-    model, its "replicas" (DataParallel) or its "shards" (FSDP2). Several processes stay eager:
+@functools.cache
+def why_eager_here() -> str | None:
+    """Why --compile auto cannot compile on this machine (None: it can), asked once a process:
+    Inductor's GPU kernels are Triton's, which need compute capability 7.0 or more."""
+    if not torch.cuda.is_available():
+        return "no GPU"
+    if (capability := torch.cuda.get_device_capability()) < (7, 0):
+        return f"compute capability {capability[0]}.{capability[1]}; Triton needs 7.0 or more"
+    return triton_cannot_build()
+
+
+def triton_cannot_build() -> str | None:
+    """Why Triton cannot build its kernels' launcher here (None: it can): Triton must import, and
+    the C compiler it takes at run time (CC, else gcc, else clang: triton/runtime/build.py) must
+    compile against Python.h, which is tried."""
+    if not has_triton_package():  # torch's own check: Triton imports (it comes with torch's wheels)
+        return "Triton is not installed: torch's wheels for Linux bring it"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return "no C compiler for Triton's launcher: install gcc, or name one in CC"
+    include = sysconfig.get_paths("posix_prefix")["include"]  # as Triton takes it on Linux
+    try:
+        done = subprocess.run([cc, "-fsyntax-only", f"-I{include}", "-x", "c", "-"], text=True,
+                              input="#include <Python.h>", capture_output=True, timeout=60)
+        failed = done.returncode and (done.stderr.strip() or f"exit {done.returncode}")
+    except (OSError, subprocess.SubprocessError) as error:
+        failed = first_line(error)
+    if not failed:
+        return None
+    return f"the C compiler {cc} fails ({failed.splitlines()[0]}): install gcc, or name one in CC"
+
+
+def chosen(args, cannot: str | None, model_is="whole", processes=1) -> tuple[str, str]:
+    """The backend ("no": eager) and mode that --compile and --compile-mode give on a machine where
+    auto ``cannot`` compile (``why_eager_here``) or can (None), for one of ``processes`` that trains
+    the ``model_is`` "whole" model, its "replicas" (DataParallel) or its "shards" (FSDP2); --profile
+    keeps auto eager (the module's docstring). Several processes stay eager:
     under DDP, BatchNorm's running statistics make Inductor skip the CUDA graphs and run slower
     (pytorch#139207, open); the GPU plan measures DDP with them (--compile inductor
     --compile-mode reduce-overhead). DataParallel's replicas are copied anew at every step; FSDP2
     shards a model for its size, whose step is not launch-bound, and CUDA graphs around FSDP2's
     hooks are not proven here."""
     if args.compile == "auto":
-        if not cuda or args.deterministic or model_is != "whole" or processes > 1:
+        if cannot or args.deterministic or args.profile or model_is != "whole" or processes > 1:
             return "no", "default"  # --deterministic: eager's kernels, bit for bit on --resume
         return "inductor", "reduce-overhead" if args.grad_accum == 1 else "default"
     return ("no" if args.compile == "none" else args.compile), args.compile_mode
@@ -86,9 +123,10 @@ def chosen(args, cuda: bool, model_is: str = "whole", processes: int = 1) -> tup
 def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     """Accelerate's dynamo plugin for what --compile chooses on this machine (``chosen``); when it
     compiles, also the compiler's cache beside the run folders and a failure said in one line (an
-    excepthook): the process changed. ``model_is`` as ``chosen`` takes it."""
+    excepthook; under auto a warning, and the model trains eagerly): the process changed.
+    ``model_is`` as ``chosen`` takes it."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
-    backend, mode = chosen(args, torch.cuda.is_available(), model_is, processes)
+    backend, mode = chosen(args, why_eager_here(), model_is, processes)
     if backend == "no":  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
@@ -98,6 +136,9 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
         with suppress(OSError):  # a folder of runs this job cannot write (a read-only mount)
             cache.mkdir(parents=True, exist_ok=True)  # leaves torch's, said by the start line
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    if args.compile == "auto":  # Dynamo runs a frame it failed to compile eagerly, and logs why
+        torch._dynamo.config.suppress_errors = True
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(_warned_once())
     sys.excepthook = _said_in_one_line(sys.excepthook, args.compile)
     # fixed shapes for the CUDA-graph modes, which record one graph per shape
     return TorchDynamoPlugin(backend=backend, mode=mode,
@@ -115,14 +156,28 @@ def _said_in_one_line(previous, flag: str):
     return hook
 
 
+def _warned_once():
+    """A logging filter: Dynamo's report of a compile error it suppressed (--compile auto) as one
+    warning for the run, whose graphs each report their own, and no traceback."""
+    said = []
+
+    def warned(record: logging.LogRecord) -> bool:
+        if record.exc_info and not said:
+            said.append(print(f"warning: --compile auto could not compile the model "
+                              f"({first_line(record.exc_info[1])}): it trains eagerly; "
+                              f"--compile none skips the attempt", file=sys.stderr))
+        return not record.exc_info
+    return warned
+
+
 def compile_line(flags: dict, device: str, backend: str, mode: str) -> str | None:
     """What --compile does on ``device`` (``backend`` and ``mode`` as ``chosen`` gave them) and
     why, for the start line and config.json; None for an eager run that did not ask for auto."""
     given, cuda = flags.get("compile"), device.startswith("cuda")
     said = f"--compile {given}"
     if backend == "no":
-        why = ("CUDA graphs only for one process training a whole model, without --deterministic"
-               if cuda else "no GPU")
+        why = (why_eager_here() or "CUDA graphs only for one process training a whole model, "
+               "without --deterministic or --profile") if cuda else "no GPU"
         return f"{said}: eager ({why}); --compile inductor compiles" if given == "auto" else None
     if given != "auto" and mode != "default":
         said += f" --compile-mode {mode}"

@@ -40,6 +40,7 @@ class WeightAverage:
         if not self.decay:
             return
         plain = accelerator.unwrap_model(model)
+        plain = getattr(plain, "_orig_mod", plain)  # torch.compile's: names without its _orig_mod.
         for name, tensor in [*plain.named_parameters(), *plain.named_buffers()]:
             if tensor.is_floating_point():
                 self.names.append(name)
@@ -87,7 +88,9 @@ class WeightAverage:
     def load_state_dict(self, state: dict) -> None:
         self.updates = state["updates"]
         with torch.no_grad():
-            torch._foreach_copy_(self.average, [state["average"][name] for name in self.names])
+            # the checkpoints of compiled runs before 2026-12: torch.compile's prefix in each name
+            saved = {k.removeprefix("_orig_mod."): v for k, v in state["average"].items()}
+            torch._foreach_copy_(self.average, [saved[name] for name in self.names])
 
 
 @torch.no_grad()
