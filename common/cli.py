@@ -30,14 +30,13 @@ FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # below: an lr of 0 in fl
 # --report-to: the trackers of Accelerate's that the scripts set up (common.observe.tracking)
 TRACKERS = ("wandb", "tensorboard", "mlflow")
 
-# Flags (their dest) that may change when a run is resumed; any other change would make the resumed
-# run a different experiment. A script adds those of its own strategy.
+# Flags (their dest) that may change when a run is resumed (lr and clip_grad: after a diverged run);
+# any other change makes the resumed run another experiment. A script adds those of its strategy.
 RESUMABLE_FLAGS = frozenset({"resume", "max_steps", "output_dir", "cache_dir", "data_dir",
                              "keep_checkpoints", "report_to", "wandb_project", "run_name",
                              "wandb_tags", "wandb_group", "log_every", "checkpoint_every",
                              "compile", "compile_mode", "loader", "workers", "loader_budget",
-                             "bad_images", "profile", "lr",
-                             "clip_grad"})  # lr, clip_grad: after a diverged run
+                             "bad_images", "profile", "lr", "clip_grad"})
 
 
 class Parser(argparse.ArgumentParser):
@@ -236,8 +235,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_augment_args(args)
     for dest in ("epochs", "batch_size", "keep_checkpoints", "log_every", "reference_batch_size",
                  "grad_accum", "checkpoint_every", "max_steps"):  # the last two: None, not given
-        value = getattr(args, dest)
-        if value is not None and value < 1:
+        if (value := getattr(args, dest)) is not None and value < 1:
             raise UserError(f"--{dest.replace('_', '-')} {value}: must be 1 or more")
     profile_steps(args.profile)  # "N" or "S:N"
     check_compile(args.compile, args.compile_mode, args.grad_accum)

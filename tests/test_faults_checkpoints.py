@@ -8,6 +8,7 @@ for bit, so a run that falls back to an older checkpoint must end with exactly i
 """
 
 import json
+import pickle
 import re
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import (ROOT, Forked, Processes, assert_same_weights, bad_ends, plant, run, tmpfs, tree_digest,
+from helpers import (ROOT, Forked, Payload, Processes, assert_same_weights, bad_ends, plant, run, tmpfs, tree_digest,
                      two_processes, user_env, weights, worker_lines)
 from safetensors.torch import load_file, save_file
 
@@ -395,6 +396,19 @@ def test_evaluate_on_a_pickle_of_objects_is_one_plain_line(tmp_path):
     assert line.startswith(f"error: --weights {path}: cannot read it (it holds pickled objects, not only tensors: "
                            f"Unsupported global: GLOBAL torch.nn.modules.linear.Linear")
     assert line.endswith("save model.state_dict() instead); pass a .safetensors file or a torch.save'd state dict")
+
+
+def test_evaluate_on_a_pickle_that_would_run_code_names_it_and_never_advises_loading_it(tmp_path):
+    """A payload pickled as pickle.dumps writes it (protocol 4): torch 2.14's refusal names no global and
+    its first sentence advises weights_only=False, which would run it. The line says what torch refused."""
+    path, marker = tmp_path / "model.pt", tmp_path / "ran"
+    path.write_bytes(pickle.dumps(Payload(marker)))
+    done = evaluate(path, "--model", "resnet20")
+    assert done.returncode == 1 and not marker.exists()
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: --weights {path}: cannot read it (it holds pickled objects, not only tensors: "
+                           f"Unsupported operand "), line
+    assert "weights_only" not in line and "Re-running" not in line
 
 
 # ------------------------------------------------------------------------------ a full disk

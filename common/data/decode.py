@@ -6,6 +6,7 @@ the training device (common.data.device). One thread on purpose: a 32x32 PNG dec
 """
 
 import logging
+from contextlib import suppress
 
 import torch
 
@@ -25,10 +26,8 @@ def native_size(source: ImageSource, probes: int = 16) -> int | None:
     split = source.train
     sizes = set()
     for i in sorted({round(k * (len(split) - 1) / max(probes - 1, 1)) for k in range(probes)}):
-        try:
+        with suppress(BadImage):
             sizes.add(tuple(decode(split.encoded(i), split.name(i)).shape[-2:]))
-        except BadImage:
-            continue
     squares = {h for h, w in sizes if h == w}
     return squares.pop() if len(sizes) == 1 and squares else None
 
@@ -37,13 +36,11 @@ def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = 
                   interpolation: str = "bilinear") -> ImageData:
     """Every image of both splits decoded, at ``image_size`` or (None) the size they all share,
     resized with ``interpolation`` where they are not at that size."""
-    size = image_size or native_size(source)
-    if size is None:
+    if (size := image_size or native_size(source)) is None:
         size = DEFAULT_IMAGE_SIZE
         log.warning("the images of %s differ in size: decoding them at %dx%d (set --image-size)",
                     source.source, size, size)
-    train_images, train_labels, left_out = decode_split(source.train, size, skip_bad,
-                                                        interpolation)
+    train_images, train_labels, left_out = decode_split(source.train, size, skip_bad, interpolation)
     if source.test is None:  # to be carved from train (--val-fraction)
         test_images = torch.empty(0, 3, size, size, dtype=torch.uint8)
         test_labels = torch.empty(0, dtype=torch.int64)
@@ -61,10 +58,8 @@ def decode_split(split, size: int, skip_bad: bool = False, interpolation: str = 
     none = torch.empty(0, dtype=torch.int64)
     if isinstance(split, TensorSplit):
         return fit_all(split.images, size, interpolation), split.labels, none
-    if isinstance(split, ArrowSplit):
-        items = split.all_encoded()
-    else:
-        items = (split.encoded(i) for i in range(len(split)))
+    items = (split.all_encoded() if isinstance(split, ArrowSplit)
+             else (split.encoded(i) for i in range(len(split))))
     batch = torch.empty(len(split), 3, size, size, dtype=torch.uint8)
     kept = torch.ones(len(split), dtype=torch.bool)
     for i, encoded in enumerate(items):

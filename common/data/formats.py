@@ -26,11 +26,10 @@ from common.data.splits import EVAL_SPLITS, FileSplit, ImageSource, TensorSplit
 from common.data_only import DataUnpickler, NotData
 from common.errors import UserError, first_line
 
-DATA_DIR_FORMATS = (
-    "a Hub snapshot with train-*.parquet and test-*.parquet files, a save_to_disk folder "
-    "(dataset_dict.json), cifar-10-batches-py or cifar-100-python (folder or .tar.gz), "
-    "or an image folder train/<class>/* with test/<class>/* (or val/, validation/)"
-)
+DATA_DIR_FORMATS = ("a Hub snapshot with train-*.parquet and test-*.parquet files, a save_to_disk "
+                    "folder (dataset_dict.json), cifar-10-batches-py or cifar-100-python (folder "
+                    "or .tar.gz), or an image folder train/<class>/* with test/<class>/* (or "
+                    "val/, validation/)")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 # All a CIFAR batch names besides dicts, lists, strings and numbers: numpy arrays (numpy.core is
 # numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
@@ -60,8 +59,7 @@ def detect_format(data_dir: Path):
     for archive in (data_dir / "cifar-10-python.tar.gz", data_dir / "cifar-100-python.tar.gz"):
         if archive.is_file():
             return detect_format(archive)
-    parquet = sorted(data_dir.rglob("*.parquet"))
-    if parquet:
+    if parquet := sorted(data_dir.rglob("*.parquet")):
         files = parquet + [readme for readme in [data_dir / "README.md"] if readme.is_file()]
         return data_dir, lambda: files, lambda cache: _read_parquet(data_dir, parquet, cache)
     if (data_dir / "train").is_dir():
@@ -126,8 +124,7 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: str | None) -> Image
     except Exception as e:
         raise UserError(f"cannot read the parquet files under {root} ({first_line(e)}); "
                         f"download them again") from None
-    return from_hf(splits, f"parquet files under {root}",
-                   fallback_names=_readme_class_names(root))
+    return from_hf(splits, f"parquet files under {root}", fallback_names=_readme_class_names(root))
 
 
 def _readme_class_names(root: Path) -> list[str] | None:
@@ -164,8 +161,7 @@ def _read_image_folder(root: Path) -> ImageSource:
     # The first with class folders: a test/ of unlabelled images (as Kaggle's) is not evaluated on.
     evaluated = next((name for name in EVAL_SPLITS
                       if (root / name).is_dir() and class_folders(name)), None)
-    classes = class_folders("train")
-    if not classes:
+    if not (classes := class_folders("train")):
         raise UserError(f"image folder {root / 'train'} has no class folders; put each class's "
                         f"images in train/<class>/")
     if len(classes) == 1:
@@ -215,8 +211,7 @@ def _refuse_one_class(root: Path, only: str, evaluated: str | None) -> None:
         also = f" (and the same in {evaluated}/)" if evaluated else ""
         raise UserError(f"image folder {root} has one class, {only}, whose subfolders "
                         f"({', '.join(inner[:5])}{', ...' * (len(inner) > 5)}) look like the "
-                        f"classes, one level too deep: move them up into train/, e.g. "
-                        f"{move}{also}")
+                        f"classes, one level too deep: move them up into train/, e.g. {move}{also}")
     raise UserError(f"image folder {root} has one class folder, train/{only}/: a classifier needs "
                     f"2 or more classes; put each class's images in its own train/<class>/")
 

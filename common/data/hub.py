@@ -96,13 +96,10 @@ def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> Ima
     where = source.split(" from ")[0]
     train = ArrowSplit(splits["train"], image_col, train_labels, f"{where}, train")
     if evaluated is None:  # the error, unless --val-fraction carves one, is splits.checked's
-        return ImageSource(train, None, classes,
-                           f"{source} (splits: {', '.join(sorted(splits))}, "
-                           f"none of {', '.join(EVAL_SPLITS)} labelled)")
-    return ImageSource(train,
-                       ArrowSplit(splits[evaluated[0]], image_col, evaluated[1],
-                                  f"{where}, {evaluated[0]}"),
-                       classes, f"{source}; evaluated on {evaluated[0]}")
+        return ImageSource(train, None, classes, f"{source} (splits: {', '.join(sorted(splits))}, "
+                                                 f"none of {', '.join(EVAL_SPLITS)} labelled)")
+    test = ArrowSplit(splits[evaluated[0]], image_col, evaluated[1], f"{where}, {evaluated[0]}")
+    return ImageSource(train, test, classes, f"{source}; evaluated on {evaluated[0]}")
 
 
 def download(dataset: str) -> ImageSource:

@@ -10,6 +10,7 @@ trained so (INTERPOLATIONS; common.data.pretrained picks it).
 
 import io
 import os
+from contextlib import suppress
 
 import numpy as np
 import PIL.Image
@@ -44,14 +45,12 @@ def decode(encoded, name: str) -> torch.Tensor:
                 encoded = f.read()
         except OSError as e:
             raise BadImage(f"cannot read image {name} ({first_line(e)})") from None
-    try:
+    with suppress(RuntimeError, ValueError):  # a format or mode torchvision does not read: PIL may
         image = decode_image(torch.frombuffer(bytearray(encoded), dtype=torch.uint8),
                              mode=ImageReadMode.RGB)
         if image.ndim == 4:  # an animated GIF comes as all its frames: the first, as PIL reads it
             image = image[0]
         return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs; uint8 as is
-    except (RuntimeError, ValueError):
-        pass  # a format or mode torchvision does not read: PIL may
     try:
         with PIL.Image.open(io.BytesIO(encoded)) as image:
             pixels = np.asarray(image.convert("RGB"))

@@ -76,9 +76,8 @@ class Inputs:
     @property
     def line(self) -> str:
         """For the start line: the loader, why, and the resolution and its interpolation."""
-        workers = ""
-        if self.loader == "workers":
-            workers = f", {self.workers} {'worker' if self.workers == 1 else 'workers'} per process"
+        workers = (f", {self.workers} {'worker' if self.workers == 1 else 'workers'} per process"
+                   if self.loader == "workers" else "")
         return (f"{self.image_size}px ({self.interpolation}), loader {self.loader}{workers} "
                 f"({self.why})")
 
@@ -109,8 +108,7 @@ def loaders(options: DataOptions, accelerator, train: bool) -> Inputs:
     """The loaders of ``options``, the training one only if ``train`` (scripts/evaluate.py: not):
     from the decode cache of an earlier run when there is one, else from the source. A collective:
     every process refuses together."""
-    data = refused_together(accelerator, _cached, options, train)
-    if data is not None:
+    if (data := refused_together(accelerator, _cached, options, train)) is not None:
         inputs = refused_together(accelerator, _from_cache, options, accelerator, data, train)
         if inputs is not None:
             return inputs
@@ -172,12 +170,9 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
                                val_fraction=options.val_fraction, skip_bad=skip_bad,
                                interpolation=options.interpolation)
         return _on_device(options, accelerator.device, data, why, train)
-    workers = options.workers
-    if workers is None:  # this node's processes (LOCAL_WORLD_SIZE) share its CPU cores
-        workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                     accelerator.num_processes)))
-    # an unreadable image found by a worker: one line, not a traceback
-    report_bad_images(training=train)
+    on_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # share its cores
+    workers = default_workers(on_node) if options.workers is None else options.workers
+    report_bad_images(training=train)  # a worker's unreadable image: one line, not a traceback
     # Augmentation happens in the workers, per sample; on the device only the normalisation (and
     # --random-erase).
     stats = _normalization(options) or sample_stats(source.train, size,
@@ -188,10 +183,8 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
                   workers=workers, seed=options.seed, process=accelerator.process_index,
                   pin_memory=accelerator.device.type == "cuda", skip_bad=skip_bad,
                   interpolation=options.interpolation)
-    train_loader = None
-    if train:
-        train_loader = worker_loader(source.train, train=True, augment=options.augment,
-                                     auto_augment=options.auto_augment, **common)
+    train_loader = worker_loader(source.train, train=True, augment=options.augment,
+                                 auto_augment=options.auto_augment, **common) if train else None
     return Inputs(train_loader, worker_loader(source.test, train=False, **common), transform,
                   source.classes, source.source, len(source.train), len(source.test), size,
                   loader, why, workers, options.interpolation, _eval_split(options))
@@ -200,15 +193,12 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
 def _on_device(options: DataOptions, device, data, why: str, train: bool) -> Inputs:
     """The device path's loaders of decoded ``data``; the training one only if ``train``."""
     stats = _normalization(options) or channel_stats(data.train_images)
-    transform = BatchTransform(*stats, augment=options.augment,
-                               channels_last=options.channels_last,
+    transform = BatchTransform(*stats, augment=options.augment, channels_last=options.channels_last,
                                interpolation=options.interpolation, erase=options.random_erase)
     data = on_device(data, device)  # the whole dataset lives on the device: no copy per batch
     batch_size = options.batch_size // options.grad_accum
-    train_loader = None
-    if train:
-        train_loader = tensor_loader(data.train_images, data.train_labels, batch_size,
-                                     shuffle=True, seed=options.seed)
+    train_loader = tensor_loader(data.train_images, data.train_labels, batch_size, shuffle=True,
+                                 seed=options.seed) if train else None
     return Inputs(train_loader,
                   tensor_loader(data.test_images, data.test_labels, batch_size, shuffle=False),
                   transform, data.classes, data.source, len(data.train_labels),

@@ -52,8 +52,7 @@ def default_cache_dir() -> str:
 def cache_folder(cache_dir: str | None) -> Path:
     """The cache folder (``cache_dir``, else default_cache_dir()), made if missing, when something
     is about to be cached. A home folder that cannot be written in (read-only on many clusters)
-    is one line naming the flag and the variable that move it, not a traceback at the first
-    file."""
+    is one line naming the flag and the variable that move it, not a traceback at the first file."""
     folder = Path(cache_dir or default_cache_dir()).expanduser()
     try:
         folder.mkdir(parents=True, exist_ok=True)

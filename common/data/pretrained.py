@@ -136,8 +136,7 @@ def _timm_weights(name: str) -> Weights:
                         f"--pretrained-path FILE")
     repo, names = cfg.hf_hub_id, [cfg.hf_hub_filename or "model.safetensors", "pytorch_model.bin"]
     cached = [try_to_load_from_cache(repo, n) for n in names]
-    file = next((Path(c) for c in cached if isinstance(c, str)), None)
-    if file is None:
+    if (file := next((Path(c) for c in cached if isinstance(c, str)), None)) is None:
         try:  # the Hub's own timeouts (HF_HUB_ETAG_TIMEOUT, 10 s) bound the wait
             file = Path(hf_hub_download(repo, names[0]))
         except Exception as error:  # noqa: BLE001 - offline, unreachable, unknown file: one line
@@ -245,8 +244,7 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
                     num_classes: int) -> str:
     """Load ``weights`` into ``model`` (built for ``num_classes``): strictly, except the classifier
     when the file's has another number of classes (or none), which keeps its new random init. The
-    line that says so. A file of another model is a UserError naming the tensors that do not
-    fit."""
+    line that says so. A file of another model is a UserError naming the tensors that do not fit."""
     flag = "--pretrained-path" if weights.source == "--pretrained-path" else "--pretrained"
     found, own = load_weights(weights.file, flag), model.state_dict()
     if bad := non_finite(found):  # else the first step's NaN loss would be put down to the lr

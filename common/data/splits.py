@@ -42,8 +42,7 @@ class FileSplit:
         # every page of a list of a million names (pytorch/pytorch#13246).
         if not isinstance(paths, np.ndarray):
             paths = np.array([os.fsencode(p) for p in paths])
-        self.paths = paths
-        self.labels = labels
+        self.paths, self.labels = paths, labels
 
     def __len__(self):
         return len(self.labels)

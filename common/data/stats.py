@@ -46,10 +46,8 @@ def sample_stats(split, size: int, sample: int = STATS_SAMPLE,
     """Per-channel mean and std (0..255 scale) of the training images as evaluated at ``size``
     (resized with ``interpolation``): from all of them when they are held decoded, else from
     ``sample`` spread over the split; one image in memory at a time."""
-    if isinstance(split, TensorSplit) or len(split) <= sample:
-        picks = range(len(split))
-    else:
-        picks = torch.linspace(0, len(split) - 1, sample).round().long().tolist()
+    picks = (range(len(split)) if isinstance(split, TensorSplit) or len(split) <= sample
+             else torch.linspace(0, len(split) - 1, sample).round().long().tolist())
 
     def fitted():
         for i in picks:

@@ -76,7 +76,6 @@ def check_synthetic_size(train_size: int, test_size: int, image_size: int | None
         flag, most = (("--synthetic-train-size", fit - test_size) if test_size < fit
                       else ("--synthetic-test-size", fit // 2))
         raise UserError(f"--synthetic-train-size {train_size} and --synthetic-test-size "
-                        f"{test_size}: {train_size + test_size} synthetic images of "
-                        f"{size}x{size} take {need / 1e9:.4g} GB, more than this machine's "
-                        f"{memory / 1e9:.0f} GB of memory; use {flag} {most} or fewer "
-                        f"(CIFAR-10 has 60000)")
+                        f"{test_size}: {train_size + test_size} synthetic images of {size}x{size} "
+                        f"take {need / 1e9:.4g} GB, more than this machine's {memory / 1e9:.0f} GB "
+                        f"of memory; use {flag} {most} or fewer (CIFAR-10 has 60000)")

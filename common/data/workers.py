@@ -68,8 +68,7 @@ class SampleImages(Dataset):
                  skip_bad: bool = False, auto_augment: str = "none",
                  interpolation: str = "bilinear"):
         self.split, self.size, self.seed, self.skip_bad = split, size, seed, skip_bad
-        self.interpolation = interpolation
-        self.augment = train and augment
+        self.interpolation, self.augment = interpolation, train and augment
         self.policy = POLICIES[auto_augment]() if train and auto_augment != "none" else None
         self.skipped = set()  # images this process (a worker, each its own) has warned of
 

@@ -9,6 +9,7 @@ depend on them: metrics.jsonl, the checkpoints and wandb hold everything the log
 import io
 import os
 import sys
+from contextlib import suppress
 
 
 class _Unbreakable(io.TextIOBase):
@@ -36,12 +37,10 @@ class _Unbreakable(io.TextIOBase):
 
     def _give_up(self) -> None:
         self.broken = True
-        try:  # the stream's own flush at exit then writes into /dev/null instead of raising
+        with suppress(OSError, ValueError):  # its flush at exit then goes to /dev/null, no error
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self.stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError):
-            pass
 
     def fileno(self) -> int:
         return self.stream.fileno()
@@ -69,6 +68,5 @@ def survive_closed_output() -> None:
     """Replace sys.stdout and sys.stderr by streams that never raise: a closed or broken output
     drops the rest of the lines and training goes on. Call it first thing in a training process."""
     for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None and not isinstance(stream, _Unbreakable):
+        if (stream := getattr(sys, name)) is not None and not isinstance(stream, _Unbreakable):
             setattr(sys, name, _Unbreakable(stream))

@@ -36,8 +36,7 @@ def profile_steps(spec: str | None) -> tuple[int, int] | None:
     another form is a UserError."""
     if spec is None:
         return None
-    found = re.fullmatch(r"(?:(\d+):)?(\d+)", spec.strip())
-    if not found or int(found.group(2)) < 1:
+    if not (found := re.fullmatch(r"(?:(\d+):)?(\d+)", spec.strip())) or int(found.group(2)) < 1:
         raise UserError(f"--profile {spec}: give the number of steps to trace, e.g. 5, or the "
                         f"steps to skip first and the number to trace, e.g. 20:5")
     return int(found.group(1) or SKIP_STEPS), int(found.group(2))  # no S: SKIP_STEPS ("0" is an S)

@@ -5,10 +5,9 @@ NVML's utilisation is the share of the last sample period (1/6 s to 1 s, by GPU)
 ran on the GPU; it is read every SAMPLE_SECONDS through torch.cuda.utilization (the nvidia-ml-py
 package) and averaged over the epoch. A process reads the GPUs it trains on: its own, or
 DataParallel's replicas' (common.observe.tracking.EpochMeter); the job's figures are gathered (one
-value per GPU, in process order). Where there is no GPU, or no NVML, ``why_absent``
-says why, in the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each
-process's peak of allocated GPU memory (peak_memory); and how long training waited for its
-batches (DataWait).
+value per GPU, in process order). Where there is no GPU, or no NVML, ``why_absent`` says why, in
+the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each process's peak of
+allocated GPU memory (peak_memory); and how long training waited for its batches (DataWait).
 """
 
 import threading

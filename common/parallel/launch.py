@@ -62,8 +62,7 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "
                             "use --share-gpus gloo, or drop the flag")
         return 0, "gloo" if share and processes > 1 else None  # 1 process: no group at all
-    per_gpu = math.ceil(processes / gpus)
-    if per_gpu == 1:
+    if (per_gpu := math.ceil(processes / gpus)) == 1:
         return 1, None
     if share is None:
         raise UserError(f"the launch starts {processes} processes on this node but it has {gpus} "
@@ -151,8 +150,7 @@ def launch_record(accelerator) -> dict:
         record["gpu_sharing"] = (
             f"warning: --share-gpus: {processes} processes on {gpus} GPU(s) of this node, up to "
             f"{per_gpu} a GPU, over {over}: a rehearsal that proves the launch, its collectives, "
-            f"checkpoints and resume; its speed and memory figures say nothing of {processes} "
-            f"GPUs")
+            f"checkpoints and resume; its speed and memory figures say nothing of {processes} GPUs")
     return record
 
 

@@ -1,9 +1,8 @@
 """The step guard: after each optimizer step, whether every process stops, and why.
 
 The guard only answers; the training loop acts on the answer (``Stop``): it saves the step and
-exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss
-or, in fp16, a run of skipped steps (common.parallel.amp). ``announce_stop`` says which, in one
-line.
+exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a non-finite loss or,
+in fp16, a run of skipped steps (common.parallel.amp). ``announce_stop`` says which, in one line.
 """
 
 import ctypes

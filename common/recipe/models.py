@@ -215,8 +215,7 @@ def _check_image_size(probe: nn.Module, name: str, num_classes: int, size: int) 
     """Refuse ``size`` x ``size`` images if ``probe`` (on the meta device) cannot train on them,
     naming the size it needs: found by trying sizes, not from a table of models, so that a model
     torchvision adds is covered too."""
-    why = _cannot_train(probe, num_classes, size)
-    if why is None:
+    if (why := _cannot_train(probe, num_classes, size)) is None:
         return
     if _cannot_train(probe, num_classes, REFERENCE_SIZE) is not None:
         raise UserError(f"--model {name} cannot take {size}x{size} images ({why}); try "

@@ -53,8 +53,7 @@ def latest_good_checkpoint(output_dir: Path,
     problem of each newer one, which it does not."""
     damaged = {}
     for checkpoint in all_checkpoints(output_dir, up_to):
-        problem = checkpoint_problem(checkpoint)
-        if problem is None:
+        if (problem := checkpoint_problem(checkpoint)) is None:
             return checkpoint, damaged
         damaged[checkpoint] = problem
     return None, damaged
@@ -110,8 +109,7 @@ def file_crc32(path: Path) -> str:
 
 def _file_problem(path: Path, size: int, crc: str | None) -> str | None:
     try:
-        actual = path.stat().st_size
-        if actual != size:
+        if (actual := path.stat().st_size) != size:
             return f"has {actual} bytes where {size} were written"
         if crc is None:
             return f"has no crc32 in {MANIFEST}"
@@ -140,13 +138,11 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int) -> Path
         failure = unwritten_metrics()  # the epoch's record, which only the main process writes
         if failure is None and accelerator.is_main_process:
             try:
-                # left by a process killed while saving
-                shutil.rmtree(partial, ignore_errors=True)
+                shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while saving
                 partial.mkdir(parents=True)
             except OSError as error:
                 failure = f"cannot write checkpoint {final} ({why_not_written(error, folder)})"
-        # the others wait for the folder (and learn of a failure) here
-        failure = from_main(accelerator, failure)
+        failure = from_main(accelerator, failure)  # the others wait for the folder or its failure
         if failure is None:
             try:
                 accelerator.save_state(str(partial))
@@ -206,9 +202,8 @@ def removed_if_ended(partial: Path):
 
 def intact_advice(output_dir: Path) -> str:
     """The end of a line saying a write failed: which checkpoint is intact, how to finish."""
-    previous = latest_checkpoint(output_dir)
     then = f"then run the same command with --output-dir {output_dir} --resume"
-    if previous is None:
+    if (previous := latest_checkpoint(output_dir)) is None:
         return (f"; no checkpoint of this run is written yet: free space in {output_dir}, {then} "
                 f"to start it again from step 0")
     return f"; the checkpoint {previous} is intact: free space in {output_dir}, {then}"

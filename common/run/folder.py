@@ -13,22 +13,10 @@ from pathlib import Path
 
 from common.errors import UserError
 from common.failures import fail_together, from_main
-from common.run.checkpoints import (
-    CHECKPOINT_DIR,
-    STEP_DIR,
-    WROTE_CHECKPOINTS,
-    all_checkpoints,
-    checkpoint_problem,
-    latest_good_checkpoint,
-)
-from common.run.lock import (
-    JOB_ID_VARIABLE,
-    LOCK_FILE,
-    SET_ASIDE,
-    lock_run_folder,
-    read_job,
-    this_job,
-)
+from common.run.checkpoints import (CHECKPOINT_DIR, STEP_DIR, WROTE_CHECKPOINTS, all_checkpoints,
+                                    checkpoint_problem, latest_good_checkpoint)
+from common.run.lock import (JOB_ID_VARIABLE, LOCK_FILE, SET_ASIDE, lock_run_folder, read_job,
+                             this_job)
 from common.run.weights import read_metadata
 
 
@@ -104,8 +92,7 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
     checkpoint, message = from_main(accelerator, decision)  # all have waited for the checks
     if message:
         fail_together(accelerator, message)  # one line, from the main process
-    # nothing written yet, so bad input leaves nothing
-    return path, checkpoint
+    return path, checkpoint  # nothing written yet, so bad input leaves nothing
 
 
 def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
@@ -115,8 +102,7 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if own_restart:  # its own newest checkpoint; none yet: where it started, --resume or step 0
         return _newest_complete(path, "") or given
     if given is not None:
-        problem = checkpoint_problem(given)
-        if problem:
+        if problem := checkpoint_problem(given):
             raise UserError(f"--resume {given}: the checkpoint is damaged ({problem}); pass a "
                             f"complete one, or --output-dir {given.parent.parent} --resume for "
                             f"its newest complete checkpoint")
@@ -128,11 +114,9 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
     if not resume:
         check_output_dir(path)
         return None
-    checkpoint = _newest_complete(path, "--resume: ")
-    if checkpoint is not None:
+    if (checkpoint := _newest_complete(path, "--resume: ")) is not None:
         return checkpoint
-    # none at all
-    if (path / "model.safetensors").exists():
+    if (path / "model.safetensors").exists():  # no checkpoint at all
         raise UserError(f"--resume: the run in {path} has finished (model.safetensors) and has no "
                         f"checkpoint left to continue from; start a new run in another "
                         f"--output-dir")

@@ -115,8 +115,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                holder = _read_holder(self.path, wait=True)
-                if holder is None:
+                if (holder := _read_holder(self.path, wait=True)) is None:
                     continue  # released meanwhile
                 self._refuse(holder)
             except OSError as error:
@@ -171,8 +170,7 @@ class RunLock:
     def record_job(self) -> None:
         """Say in the folder which launched job took it (a SLURM job, a torchrun agent), so that
         its restarted workers know the folder for theirs; nothing for a plain process."""
-        job = this_job()
-        if job is None or read_job(self.folder) == job:
+        if (job := this_job()) is None or read_job(self.folder) == job:
             return
         # not written: a restart then gets the checks of a new start: it stops, it never guesses
         with contextlib.suppress(OSError), atomic_write(self.folder / JOB_FILE) as f:

@@ -7,6 +7,7 @@ model.
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import safetensors.torch  # safetensors too: safe_open
@@ -61,10 +62,10 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
     path = Path(path)
     check_file(flag, path, "pass a .safetensors file or a torch.save'd state dict")
     try:
-        if path.suffix == ".safetensors":
-            state = safetensors.torch.load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's on a pickle's protocol would be a second line
+            warnings.simplefilter("ignore")
+            state = (safetensors.torch.load_file(str(path)) if path.suffix == ".safetensors"
+                     else torch.load(path, map_location="cpu", weights_only=True))
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
         raise UserError(f"{flag} {path}: cannot read it ({_plain(error)}); pass a "
                         f".safetensors file or a torch.save'd state dict") from None
@@ -79,9 +80,10 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
 def _plain(error: Exception) -> str:
     """A loading error in one plain line. torch's refusal of a pickle that holds objects is several
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
-    telling line, "Unsupported global: GLOBAL __main__.Net ...", is kept."""
+    telling line, "Unsupported global: GLOBAL __main__.Net ..." or, the lines after it in torch 2.14,
+    "Unsupported operand 149", is kept."""
     text = _ANSI.sub("", str(error))
-    told = re.search(r"WeightsUnpickler error:[ \t]*(\S.*?)(?: was not |\. |[ \t]*$)", text,
+    told = re.search(r"WeightsUnpickler error:\s*(\S.*?)(?: was not |\. |[ \t]*$)", text,
                      re.MULTILINE)
     if told:
         return (f"it holds pickled objects, not only tensors: {told[1]}; save model.state_dict() "
