@@ -24,11 +24,12 @@ def atomic_write(path: Path):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One temporary name per file: a leftover of a killed writer is overwritten, not piled up. Each
+    # One temporary name per file: a leftover of a killed writer is removed, not piled up. Each
     # file has one writer at a time (the main process; the data cache holds a file lock).
     partial = path.with_name(f".tmp-{path.name}")
+    partial.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
     try:
-        with open(partial, "wb") as f:
+        with open(partial, "xb") as f:  # x: a name that is there again (a link) is an error
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -471,3 +471,29 @@ def test_a_second_job_into_a_held_folder_stops_and_changes_nothing(trained, tmp_
         f"or choose another --output-dir"]
     assert tree_digest(out) == before
     held.release()
+
+
+def test_links_planted_in_a_run_folder_are_never_written_through(tmp_path):
+    """A run folder from elsewhere with links where the run writes: each temporary name of atomic_write
+    (metrics.jsonl, model.safetensors, config.json) and the lock. The run never writes through one: the
+    files they point at keep their bytes; a linked .lock is one line, nothing written; the temporary
+    names that the run writes through are its own files again, and the resumed run finishes."""
+    out, victim = tmp_path / "run", tmp_path / "victim"
+    victim.write_text("precious\n")
+    run("train_single.py", *SMALL, "--epochs", "2", "--max-steps", "4", "--output-dir", out, cwd=tmp_path)
+    for name in (".tmp-metrics.jsonl", ".tmp-model.safetensors", ".tmp-config.json", LOCK_FILE):
+        (out / name).unlink(missing_ok=True)
+        (out / name).symlink_to(victim)
+    before = tree_digest(out)
+    refused = run("train_single.py", *SMALL, "--epochs", "2", "--output-dir", out, "--resume", cwd=tmp_path,
+                  check=False)
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+        f"error: cannot write in {out} (its .lock is a symbolic link: remove it): choose an --output-dir you can "
+        f"write to"], refused.stderr
+    assert tree_digest(out) == before and victim.read_text() == "precious\n"
+    (out / LOCK_FILE).unlink()  # as the line says
+    done = run("train_single.py", *SMALL, "--epochs", "2", "--output-dir", out, "--resume", cwd=tmp_path)
+    assert "done: step 8" in done.stdout and victim.read_text() == "precious\n"
+    # the files it wrote went through their temporary names, the links there gone with them
+    assert not (out / ".tmp-metrics.jsonl").is_symlink() and not (out / ".tmp-model.safetensors").is_symlink()
+    assert not (out / "model.safetensors").is_symlink() and (out / "model.safetensors").stat().st_size > 1000

@@ -59,8 +59,10 @@ def lock_run_folder(folder: Path) -> "RunLock":
         lock.put_back_config()  # set aside by a job that died before it wrote its own
     except OSError as error:
         lock.release()
-        raise UserError(f"cannot write in {folder} ({error.strerror or error}): choose an "
-                        f"--output-dir you can write to") from None
+        linked = error.errno == errno.ELOOP  # O_NOFOLLOW's answer: never written through
+        why = "its .lock is a symbolic link: remove it" if linked else error.strerror
+        raise UserError(f"cannot write in {folder} ({why or error}): choose an --output-dir you "
+                        f"can write to") from None
     except UserError:
         lock.release()
         raise
@@ -110,7 +112,7 @@ class RunLock:
     def acquire(self, me: dict) -> dict | None:
         """Hold the lock; returns what a dead holder left in the file (None: it was free)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # ELOOP: a link
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

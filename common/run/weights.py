@@ -80,8 +80,8 @@ def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]
 def _plain(error: Exception) -> str:
     """A loading error in one plain line. torch's refusal of a pickle that holds objects is several
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
-    telling line, "Unsupported global: GLOBAL __main__.Net ..." or, the lines after it in torch 2.14,
-    "Unsupported operand 149", is kept."""
+    telling line, "Unsupported global: GLOBAL __main__.Net ..." (or in torch 2.14, on the lines
+    after it, "Unsupported operand 149"), is kept."""
     text = _ANSI.sub("", str(error))
     told = re.search(r"WeightsUnpickler error:\s*(\S.*?)(?: was not |\. |[ \t]*$)", text,
                      re.MULTILINE)
