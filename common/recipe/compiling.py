@@ -126,7 +126,8 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     excepthook; under auto a warning, and the model trains eagerly): the process changed.
     ``model_is`` as ``chosen`` takes it."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
-    backend, mode = chosen(args, why_eager_here(), model_is, processes)
+    cannot = why_eager_here() if args.compile == "auto" else None  # tries a compiler on a GPU
+    backend, mode = chosen(args, cannot, model_is, processes)
     if backend == "no":  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
     # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
@@ -175,10 +176,12 @@ def compile_line(flags: dict, device: str, backend: str, mode: str) -> str | Non
     why, for the start line and config.json; None for an eager run that did not ask for auto."""
     given, cuda = flags.get("compile"), device.startswith("cuda")
     said = f"--compile {given}"
+    if backend == "no" and given != "auto":
+        return None
     if backend == "no":
         why = (why_eager_here() or "CUDA graphs only for one process training a whole model, "
                "without --deterministic or --profile") if cuda else "no GPU"
-        return f"{said}: eager ({why}); --compile inductor compiles" if given == "auto" else None
+        return f"{said}: eager ({why}); --compile inductor compiles"
     if given != "auto" and mode != "default":
         said += f" --compile-mode {mode}"
     cache = f"cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', TORCH_DEFAULT)}"
