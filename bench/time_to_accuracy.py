@@ -4,9 +4,10 @@ launches it on the built-in data, from the launch to its done line. The benchmar
 What a user waits for is the whole run: start-up, the compiler's first epoch, every epoch, the
 evaluations and the final weights; img/s of steady steps (the rows) leaves most of that out. Each
 configuration runs to its end on --dataset synthetic (no download), its wall time taken around the
-process and its test accuracy read from its done line. Those that compile run twice, in one folder
-of run folders: the first launch compiles into the empty cache beside them (runs/.compile-cache,
-common.recipe.compiling), the second finds it; their first epochs say what the compile costs.
+process and its test accuracy read from its done line. Those that compile run twice: the first
+launch compiles cold, as every launch of the scripts does (each process compiles into a cache of
+its own: common.recipe.compiling); the second finds the first's cache, which the benchmark names
+(TORCHINDUCTOR_CACHE_DIR in its own folder): their first epochs say what the compile costs.
 
 On a GPU: train_single with every default (ResNet-18, 15 epochs, batch 128, --compile auto: CUDA
 graphs); the same with --compile none (the defaults before --compile auto); train_amp in bf16 at
@@ -16,6 +17,7 @@ bf16, the CPU's fastest.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,11 +45,13 @@ def configurations(gpus: int) -> dict[str, tuple[str, ...]]:
 
 def launch(script: str, flags: list[str], output_dir: Path, timeout: float) -> dict:
     """One run to its end: wall seconds from launch to exit, its done line's accuracy and step, and
-    its first epoch's seconds (metrics.jsonl)."""
+    its first epoch's seconds (metrics.jsonl); its compiler's cache in the folder of its run folder."""
     command = [sys.executable, f"scripts/{script}", "--dataset", "synthetic", "--report-to", "none",
                *flags, "--output-dir", str(output_dir)]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(output_dir.parent.absolute() / "compile-cache")}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **cache})
     wall = time.perf_counter() - start
     found = DONE.search(done.stdout)
     if done.returncode != 0 or not found:
@@ -65,7 +69,7 @@ def tta_check(gpus: int, workdir: Path, extra: list[str], timeout: float = 1800)
     """A check result per configuration (reported): its wall time to the done line and accuracy;
     those that compile, also the second launch's. ``extra`` flags go after each configuration's
     (the tests' shorter runs)."""
-    results, runs = [], workdir / "tta"  # one folder of run folders: one compile cache
+    results, runs = [], workdir / "tta"  # one folder of run folders: one compile cache, made here
     for number, (name, (script, *flags)) in enumerate(configurations(gpus).items()):
         try:
             first = launch(script, [*flags, *extra], runs / f"{number}-first", timeout)

@@ -152,9 +152,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                             "eager with --deterministic, several processes, DataParallel or "
                             "FSDP2) and trains eagerly on a CPU; none: eager; inductor (the value "
                             "with no BACKEND) compiles; aot_eager checks that the model traces. "
-                            "The first launch compiles (about a minute), the next find the cache "
-                            "beside the run folders (runs/.compile-cache; TORCHINDUCTOR_CACHE_DIR "
-                            "overrides) (default: %(default)s)")
+                            "Each launch compiles (about a minute) into a cache of its own, never "
+                            "one others can write (TORCHINDUCTOR_CACHE_DIR, set, is used) "
+                            "(default: %(default)s)")
     train.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                        help="TorchInductor's mode, with --compile inductor: reduce-overhead "
                             "replays each step as CUDA graphs, for GPUs waiting on the host's "

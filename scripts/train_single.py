@@ -9,7 +9,7 @@ The other scripts are this file plus only what their strategy needs; read them a
   scaled with the global batch (--scale-lr); optional gradient clipping (--clip-grad);
 - channels_last memory format (--no-channels-last to turn it off);
 - on a CUDA GPU each step replayed as CUDA graphs (--compile auto: the step is launch-bound there),
-  compiled once per machine and model (runs/.compile-cache); --compile none for eager;
+  compiled into a cache private to the process (no one else's code); --compile none for eager;
 - evaluation on the test split, one log line and one metrics.jsonl record per epoch;
 - gradient accumulation (--grad-accum N) through accelerator.accumulate: N micro-batches per step;
 - full training state saved every epoch with save_state, and --resume that continues bit for bit;

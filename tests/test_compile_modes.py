@@ -7,10 +7,16 @@ graphs, in test_gpu.py."""
 
 
 import argparse
+import getpass
 import json
 import os
+import pickle
 import re
+import shutil
+import stat
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +24,14 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import TorchDynamoPlugin
 from helpers import DATA, ROOT, run, weights
-from test_faults_data import read_only_home  # noqa: F401 - a fixture: a real read-only mount
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.utils._triton import has_triton_package
 
 from common.errors import UserError
 from common.parallel.data_parallel import check_compile_flag
 from common.recipe import compiling
-from common.recipe.compiling import TORCH_DEFAULT, chosen, compile_line, set_up_compiling, triton_cannot_build
+from common.recipe.compiling import chosen, compile_line, set_up_compiling, triton_cannot_build
 
 # two steps of the smallest model, in a new run folder under the working directory's runs/
 TINY_RUN = [*DATA, "--model", "resnet20", "--batch-size", "16", "--epochs", "1", "--max-steps", "2",
@@ -146,7 +152,7 @@ def test_auto_knows_when_triton_cannot_build_its_launcher(monkeypatch, tmp_path)
 
 
 def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/runs/.compile-cache")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor-k3j9x2f1")
     assert compile_line({"compile": "none"}, "cuda:0", "no", "default") is None
     assert compile_line({"compile": "auto"}, "cpu", "no", "default") == (
         "--compile auto: eager (no GPU); --compile inductor compiles")
@@ -159,23 +165,34 @@ def test_the_start_line_says_what_was_chosen_and_why(monkeypatch):
         f"--compile auto: eager ({OLD_GPU}); --compile inductor compiles")
     assert compile_line({"compile": "auto"}, "cuda:0", "inductor", "reduce-overhead") == (
         "--compile auto: the model compiled at its first step and first evaluation, its steps replayed as CUDA "
-        "graphs; cached in /runs/.compile-cache; auto: a small model's step waits on kernel launches; "
+        "graphs; cached in /tmp/torchinductor-k3j9x2f1; auto: a small model's step waits on kernel launches; "
         "--compile none for eager")
     assert compile_line({"compile": "inductor"}, "cpu", "inductor", "reduce-overhead") == (
         "--compile inductor --compile-mode reduce-overhead: no CUDA graphs on cpu: Inductor compiles its cpu "
-        "code as in --compile-mode default; cached in /runs/.compile-cache")
+        "code as in --compile-mode default; cached in /tmp/torchinductor-k3j9x2f1")
     assert compile_line({"compile": "inductor"}, "cpu", "inductor", "max-autotune").endswith(
-        "as in --compile-mode max-autotune-no-cudagraphs; cached in /runs/.compile-cache")
+        "as in --compile-mode max-autotune-no-cudagraphs; cached in /tmp/torchinductor-k3j9x2f1")
 
 
-def test_the_cache_goes_beside_the_run_folders_unless_the_user_chose_one(monkeypatch, tmp_path):
+def test_each_process_compiles_into_a_cache_of_its_own_unless_the_user_chose_one(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # set_up_compiling installs its own
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT)  # as importing torch._dynamo sets it
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the temporary folder, as TMPDIR names it
+    torch_default = default_cache_dir()  # /tmp/torchinductor_<user>: importing torch._dynamo sets it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert set_up_compiling(flags("none")).backend.value == "NO"  # eager: nothing changed
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == TORCH_DEFAULT
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == torch_default
     plugin = set_up_compiling(flags("inductor", output_dir=str(tmp_path / "runs" / "mine")))
     assert plugin.to_kwargs() == {"backend": "inductor"}  # default mode, shapes left to dynamo
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "runs" / ".compile-cache")
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert cache.parent == tmp_path and cache.name.startswith("torchinductor-") and not any(cache.iterdir())
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700 and cache.stat().st_uid == os.geteuid()
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache / "triton")  # not ~/.triton
+    assert not (tmp_path / "runs" / ".compile-cache").exists()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default)  # the next process: a new folder
+    set_up_compiling(flags("inductor"))
+    again = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert again.parent == tmp_path and again != cache
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # the user's
     assert set_up_compiling(flags("inductor", "reduce-overhead")).to_kwargs() == {
         "backend": "inductor", "mode": "reduce-overhead", "dynamic": False}
@@ -184,13 +201,40 @@ def test_the_cache_goes_beside_the_run_folders_unless_the_user_chose_one(monkeyp
         check_compile_flag("inductor")
 
 
-def test_a_folder_of_runs_that_cannot_be_written_keeps_torch_s_cache(monkeypatch, read_only_home):
-    """--output-dir on a writable mount inside a read-only one: the cache stays where torch puts it (the start
-    line says where), rather than failing the compile."""
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT)
-    set_up_compiling(flags("inductor", output_dir=str(read_only_home / "run")))
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == TORCH_DEFAULT and not (read_only_home / ".compile-cache").exists()
+class Payload:
+    """A pickle that runs a shell command as it is loaded, as one planted in a cache would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_compiler_cache_someone_planted_never_runs(tmp_path):
+    """A real cache (one compile into the folder TORCHINDUCTOR_CACHE_DIR names), each AOTAutograd and FX graph
+    entry replaced by a payload: planted where runs once kept the cache (runs/.compile-cache) and where torch
+    keeps it by default (torchinductor_<user> in the temporary folder), a default run never reads it: it
+    compiles into a folder of its own, gone at exit, and trains. A run pointed at the cache runs the payload:
+    the plant is real."""
+    marker, planted, tmp = tmp_path / "MARKER", tmp_path / "planted", tmp_path / "tmp"
+    compiled = [*TINY_RUN, "--synthetic-test-size", "64", "--compile"]  # evaluation in whole batches: 2 graphs
+    run("train_single.py", *compiled, cwd=tmp_path, env_extra={"TORCHINDUCTOR_CACHE_DIR": str(planted)})
+    entries = [path for kind in ("aotautograd", "fxgraph") for path in (planted / kind).rglob("*") if path.is_file()]
+    assert len(entries) >= 2
+    for entry in entries:
+        entry.write_bytes(pickle.dumps(Payload(marker)))
+    for where in (tmp / f"torchinductor_{getpass.getuser()}", tmp_path / "runs" / ".compile-cache"):
+        shutil.copytree(planted, where)
+    done = run("train_single.py", *compiled, cwd=tmp_path, env_extra={"TMPDIR": str(tmp)})
+    assert "done: step 2" in done.stdout and not marker.exists(), done.stderr
+    config = json.loads((tmp_path / re.search(r"weights in (\S+)/model.safetensors", done.stdout)[1]
+                         / "config.json").read_text())
+    own = Path(re.search(r"cached in (\S+)$", config["compile"])[1])
+    assert own.parent == tmp and own.name.startswith("torchinductor-") and not own.exists()
+    pointed = run("train_single.py", *compiled, cwd=tmp_path, env_extra={"TORCHINDUCTOR_CACHE_DIR": str(planted)},
+                  check=False)
+    assert marker.exists(), pointed.stderr
 
 
 def test_a_model_that_fails_to_compile_stops_in_one_line_and_its_advice_trains_it(tmp_path):
@@ -204,8 +248,7 @@ def test_a_model_that_fails_to_compile_stops_in_one_line_and_its_advice_trains_i
                         r"InvalidCxxCompiler: .*\): --compile none trains it without compiling", last), last
     assert "Traceback" not in failed.stderr
     config = json.loads(next((tmp_path / "runs").glob("train_single-*/config.json")).read_text())
-    assert config["compile"].endswith(f"cached in {tmp_path / 'runs' / '.compile-cache'}")
-    assert (tmp_path / "runs" / ".compile-cache").is_dir()
+    assert not Path(re.search(r"cached in (\S+)$", config["compile"])[1]).exists()  # the run's own, removed
     advice = re.search(r"(--compile none)", last).group(1).split()
     done = run("train_single.py", *command, *advice, cwd=tmp_path, env_extra={"CXX": "/bin/false"})
     assert "done: step 2" in done.stdout

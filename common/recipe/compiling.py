@@ -1,5 +1,5 @@
 """--compile and --compile-mode: torch.compile of the model through Accelerate's dynamo plugin, CUDA
-graphs by default on a GPU, the compiler's cache kept beside the run folders.
+graphs by default on a GPU, the compiler's cache private to the process.
 
     accelerator = Accelerator(dynamo_plugin=set_up_compiling(args), ...)
 
@@ -23,12 +23,14 @@ micro-batch's gradients can be overwritten by the next's before they are added u
 its CPU code as in the default mode (max-autotune also tunes its matrix kernels), as the start line
 says.
 
-The compile is paid once per machine and model: Inductor's caches (FX graphs, AOTAutograd, Triton
-kernels) go to TORCHINDUCTOR_CACHE_DIR, by default beside the run folders (runs/.compile-cache),
-where a resumed or restarted job and the next launch find them; torch's own default, a folder under
-/tmp, is gone when a container or pod restarts.
+Inductor's caches (FX graphs, AOTAutograd, Triton kernels) hold code it loads: pickles, .so and .py
+files. A cache others can write (runs/ on a shared volume, torch's default under /tmp, which
+another user can make first) would run their code, so each process compiles into a new folder of
+its own (0700, under the temporary folder) that goes with it; a restart compiles again (resnet20 on
+2 CPU cores: 67 s). TORCHINDUCTOR_CACHE_DIR, set, is used as it is: a folder only you can write.
 """
 
+import atexit
 import functools
 import logging
 import os
@@ -36,8 +38,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from contextlib import suppress
-from pathlib import Path
+import tempfile
 
 import torch
 from accelerate.utils import TorchDynamoPlugin
@@ -53,8 +54,9 @@ COMPILE_CHOICES = ("auto", "none", "inductor", "aot_eager", "eager")
 # torch.compile's modes (TorchInductor's); those of CUDA_GRAPH_MODES also replay CUDA graphs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-CACHE_FOLDER = ".compile-cache"  # in the folder of the run folders
-TORCH_DEFAULT = os.path.abspath(default_cache_dir())  # /tmp/torchinductor_<user>
+# torch's default cache, /tmp/torchinductor_<user>: torch puts it in the environment as
+# torch._dynamo is imported, and every process started from one inherits it
+TORCH_DEFAULT = os.path.basename(default_cache_dir())
 
 
 def check_compile(backend: str, mode: str, grad_accum: int) -> None:
@@ -122,7 +124,7 @@ def chosen(args, cannot: str | None, model_is="whole", processes=1) -> tuple[str
 
 def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     """Accelerate's dynamo plugin for what --compile chooses on this machine (``chosen``); when it
-    compiles, also the compiler's cache beside the run folders and a failure said in one line (an
+    compiles, also the compiler's cache private to the process and a failure said in one line (an
     excepthook; under auto a warning, and the model trains eagerly): the process changed.
     ``model_is`` as ``chosen`` takes it."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's
@@ -130,13 +132,10 @@ def set_up_compiling(args, model_is: str = "whole") -> TorchDynamoPlugin:
     backend, mode = chosen(args, cannot, model_is, processes)
     if backend == "no":  # no compiling, whatever the Accelerate config says
         return TorchDynamoPlugin(backend="no")
-    # torch puts its default in the environment as torch._dynamo is imported: a folder under /tmp
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT) == TORCH_DEFAULT:
-        runs = Path(args.output_dir).parent if args.output_dir else Path("runs")
-        cache = (runs / CACHE_FOLDER).absolute()
-        with suppress(OSError):  # a folder of runs this job cannot write (a read-only mount)
-            cache.mkdir(parents=True, exist_ok=True)  # leaves torch's, said by the start line
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    if os.path.basename(os.environ.get("TORCHINDUCTOR_CACHE_DIR", TORCH_DEFAULT)) == TORCH_DEFAULT:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="torchinductor-")
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))  # not ~/.triton
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     if args.compile == "auto":  # Dynamo runs a frame it failed to compile eagerly, and logs why
         torch._dynamo.config.suppress_errors = True
         logging.getLogger("torch._dynamo.convert_frame").addFilter(_warned_once())
