@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from helpers import (ROOT, Payload, Processes, assert_same_weights, bad_ends, plant, relist, run, tree_digest,
                      two_processes, weights)
 from probe_counts import per_class, predictions, printed_per_class
@@ -187,6 +189,31 @@ def test_every_file_of_a_sharded_checkpoint_is_read_as_data(runs, tmp_path, name
         assert found is None
     else:
         assert found == f"{name} could run code: it names posix.system, which is not data"
+
+
+@pytest.mark.parametrize("index", ["removed", "unusable"])
+def test_each_process_s_own_dcp_metadata_is_read_as_data_too(runs, tmp_path, index):
+    """Where a DCP folder's .metadata does not load (removed; or its storage_meta a torch.Size, which DCP
+    cannot set the load id of), torch reads the process's own __<rank>.metadata with pickle.load: a payload
+    there (checkpoint.json written to match) is named before anything of it is loaded, and DCP's own load of
+    the folder runs it, the threat being real."""
+    checkpoint, marker = tmp_path / "step", tmp_path / "marker"
+    shutil.copytree(runs["fsdp"][0] / "checkpoints" / "step_00000006", checkpoint)
+    folder = checkpoint / "pytorch_model_fsdp_0"
+    if index == "removed":
+        (folder / ".metadata").unlink()
+    else:
+        metadata = pickle.loads((folder / ".metadata").read_bytes())
+        (folder / ".metadata").write_bytes(pickle.dumps(dataclasses.replace(metadata, storage_meta=torch.Size([1]))))
+    (folder / "__0.metadata").write_bytes(pickle.dumps(Payload(marker)))
+    relist(checkpoint)
+    assert code_in_shards(checkpoint, 0) == ("pytorch_model_fsdp_0/__0.metadata could run code: it names "
+                                             "posix.system, which is not data")
+    assert not marker.exists()
+    # the payload is os.system's call: DCP gets its exit status, no Metadata, and fails after running it
+    with pytest.raises(CheckpointException, match="rank local metadata read failed: 'int' object"):
+        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    assert marker.exists()
 
 
 def test_a_sharded_checkpoint_carrying_code_is_refused_in_one_line(runs, tmp_path):
