@@ -153,8 +153,8 @@ def code_in_shards(checkpoint: Path, process_index: int) -> str | None:
     posix.system, which is not data"); None: nothing. For common.run.checkpoints.resume_from."""
     if problem := code_in_checkpoint(checkpoint, process_index):
         return problem
-    # torch then reads the bytes checked here, whose pickles can build nothing but the types allowed;
-    # where .metadata does not load, DCP reads each process's own __<rank>.metadata: checked as well
+    # torch then reads the bytes checked here, whose pickles can build nothing but the types
+    # allowed; where .metadata does not load, DCP reads the process's own __<rank>.metadata
     for metadata in sorted({*checkpoint.glob("*/.metadata"), *checkpoint.glob("*/__*.metadata")}):
         name = metadata.relative_to(checkpoint).as_posix()
         try:
