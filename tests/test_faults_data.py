@@ -6,6 +6,8 @@ script: one line and nothing written where it must be refused, a finished run wh
     dataset whose labels are all one value;
   - a home folder that cannot be written in (a real read-only bind mount): the default cache
     folder is one line naming --cache-dir and CIFAR_CACHE_DIR, not a traceback;
+  - an image folder with links to .. (a loop for os.walk) and a FIFO named like an image: passed
+    over, the rest listed as torchvision's make_dataset lists it, and the run trains;
   - a class folder whose name is not UTF-8: trains, its name is recorded as JSON-safe text, and
     evaluate.py on the weights gives the run's accuracy;
   - --dist-timeout at both ends of its range on a real 2-process job, tracked by wandb and
@@ -33,7 +35,9 @@ import numpy as np
 import PIL.Image
 import pytest
 from helpers import ROOT, Processes, execute, run, user_env
+from torchvision.datasets.folder import make_dataset
 
+from common.data.formats import _images_in, _is_image
 from common.data.sources import open_source
 
 STEP = ["--model", "resnet20", "--epochs", "1", "--batch-size", "4", "--max-steps", "1",
@@ -307,6 +311,24 @@ def test_a_whole_dataset_one_level_down_is_refused_and_the_folder_it_names_train
                                   f"dataset of its own (train/X/train/); pass --data-dir {root}/train/X")
     out, done = train(tmp_path, "--data-dir", root / "train" / "X", *STEP)
     assert done.returncode == 0 and json.loads((out / "config.json").read_text())["classes"] == ["cat", "dog"]
+
+
+def test_link_loops_and_a_fifo_in_an_image_folder_are_passed_over(tmp_path):
+    """Three links to .. in a class folder (os.walk following links, as torchvision's ImageFolder lists a
+    folder, never ends) and a FIFO named like an image (its reader would wait forever): the images are
+    listed as make_dataset lists the folder without them (a link to a folder elsewhere still followed),
+    and a run trains to its done line."""
+    data = image_folder(tmp_path / "data", ["cat", "dog"])
+    write_images(tmp_path / "more", 3, seed=5)
+    os.symlink(tmp_path / "more", data / "train" / "dog" / "more")
+    listed = make_dataset(str(data / "train"), {"cat": 0, "dog": 1}, is_valid_file=_is_image)
+    assert len(listed) == 15
+    for link in "abc":
+        os.symlink("..", data / "train" / "cat" / link)
+    os.mkfifo(data / "train" / "dog" / "zz.png")
+    assert _images_in(data / "train", ["cat", "dog"]) == listed
+    out, done = train(tmp_path, "--data-dir", data, *STEP)
+    assert done.returncode == 0 and "done: step 1" in done.stdout, done.stderr
 
 
 def test_an_unreadable_image_met_while_training_is_one_line_whose_advice_finishes_the_run(tmp_path):

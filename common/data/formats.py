@@ -11,6 +11,7 @@ Any of:
 """
 
 import io
+import os
 import re
 import shlex
 import tarfile
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.datasets.folder import make_dataset
 
 from common.data.hub import from_hf
 from common.data.options import cache_folder
@@ -150,11 +150,9 @@ def _readme_class_names(root: Path) -> list[str] | None:
 
 def _read_image_folder(root: Path) -> ImageSource:
     """root/train/<class>/* and root/<test, validation, valid or val>/<class>/*, as torchvision's
-    ImageFolder: a class is a folder, its images any file with an image suffix in it or below it,
-    found by torchvision's make_dataset (7x faster than a pathlib walk: 0.07 s against 0.45 s for
-    20,000 files; the same list for flat class folders, and in subfolders ImageFolder's order: a
-    folder's files before its subfolders'). Its find_classes is not used: it takes hidden
-    folders (.ipynb_checkpoints) for classes, and our errors below say more than its one."""
+    ImageFolder: a class is a folder, its images any file with an image suffix in it or below it
+    (``_images_in``). Its find_classes is not used: it takes hidden folders (.ipynb_checkpoints)
+    for classes, and our errors below say more than its one."""
     def class_folders(split):
         return sorted(p.name for p in (root / split).iterdir()
                       if p.is_dir() and not p.name.startswith("."))
@@ -176,9 +174,7 @@ def _read_image_folder(root: Path) -> ImageSource:
                         f"differ ({'; '.join(missing)}); give both splits the same class folders")
     out = []
     for split in ("train", evaluated) if evaluated else ("train",):
-        files = make_dataset(root / split, {name: label for label, name in enumerate(classes)},
-                             is_valid_file=_is_image, allow_empty=True)  # our error, below
-        if not files:
+        if not (files := _images_in(root / split, classes)):
             raise UserError(f"image folder {root / split} has no image files "
                             f"({', '.join(IMAGE_SUFFIXES)}); add the images")
         labels = torch.tensor([label for _, label in files], dtype=torch.int64)
@@ -188,6 +184,27 @@ def _read_image_folder(root: Path) -> ImageSource:
                                                   f"validation/ folder of class folders)")
     return ImageSource(*out, classes=classes,
                        source=f"image folder {root}; evaluated on {evaluated}")
+
+
+def _images_in(split: Path, classes: list[str]) -> list[tuple[str, int]]:
+    """(path, label) of each image in split/<class>/ and below, as torchvision's make_dataset lists
+    them (os.walk, links followed, each folder's files sorted, folders in order of their paths),
+    but a folder that holds the class folder or was met before is walked no further (make_dataset's
+    walk of a link to .. never ends), and only regular files are taken (a FIFO named x.png would
+    block its reader)."""
+    found = []
+    for label, name in enumerate(classes):
+        walked, seen = [], {os.stat(above)[1:3] for above in (split / name).absolute().parents}
+        for folder, subfolders, files in os.walk(split / name, followlinks=True):
+            if (where := os.stat(folder)[1:3]) in seen:  # its inode and device
+                subfolders.clear()
+                continue
+            seen.add(where)
+            walked.append((folder, sorted(files)))
+        found += [(path, label) for folder, files in sorted(walked) for path in
+                  (os.path.join(folder, file) for file in files)
+                  if _is_image(path) and os.path.isfile(path)]
+    return found
 
 
 def _is_image(path: str) -> bool:
