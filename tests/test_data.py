@@ -8,7 +8,9 @@ The fixtures write one small dataset (3 named classes, 24 train / 12 test random
 in every format the loader reads, the way the real tools write them.
 """
 
+import contextlib
 import io
+import json
 import os
 import pickle
 import random
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import datasets
 import PIL.Image
+import pyarrow
 import pyarrow.parquet
 import pytest
 import torch
@@ -410,6 +413,57 @@ def test_a_cifar_batch_carrying_code_is_refused_and_runs_nothing(form, formats, 
     assert message == (f"cannot unpickle {named} (it names posix.system, which is not data); download the "
                        f"CIFAR archive again")
     assert not marker.exists()
+
+
+def plant_features(path: Path, label: dict) -> None:
+    """The label column's feature in the features metadata of ``path`` (dataset_info.json, or the schema of an
+    Arrow or parquet file) made ``label``, the file written again in its own format."""
+    if path.suffix == ".json":
+        info = json.loads(path.read_text())
+        info["features"]["label"] = label
+        return path.write_text(json.dumps(info))
+    table = (pyarrow.parquet.read_table(path) if path.suffix == ".parquet"
+             else pyarrow.ipc.open_stream(path.read_bytes()).read_all())  # no map: the file is rewritten
+    metadata = json.loads(table.schema.metadata[b"huggingface"])
+    metadata["info"]["features"]["label"] = label
+    table = table.replace_schema_metadata({b"huggingface": json.dumps(metadata).encode()})
+    if path.suffix == ".parquet":
+        return pyarrow.parquet.write_table(table, path)
+    with pyarrow.ipc.new_stream(str(path), table.schema) as writer:
+        writer.write_table(table)
+
+
+# pyarrow.show_versions, called by name: the dtype of a Value or an array, made with pa.__dict__[dtype]()
+CALLED = {"Value": {"dtype": "show_versions", "_type": "Value"},
+          "Array2D": {"shape": [1, 1], "dtype": "show_versions", "_type": "Array2D"}}
+
+
+@pytest.mark.parametrize("name", list(CALLED))
+@pytest.mark.parametrize("where", ["save_to_disk/train/dataset_info.json", "save_to_disk/test/*.arrow",
+                                   "parquet/plain_text/train-*.parquet"])
+def test_a_dataset_whose_features_name_a_function_is_refused_and_calls_nothing(where, name, formats, tmp_path,
+                                                                               capfd):
+    """Features metadata that makes datasets call a pyarrow function by name (show_versions prints its table):
+    refused in one line naming the file and the name, before datasets reads it; datasets' own read of the
+    same files calls it, the plant being real."""
+    kind, path = where.split("/", 1)
+    folder = copy_of(formats[kind], tmp_path)
+    planted = next(folder.glob(path))
+    plant_features(planted, CALLED[name])
+    message = error_of(data_dir=str(folder), cache_dir=str(tmp_path / "cache"))
+    named = "the dtype 'show_versions', which is not one of pyarrow's types: datasets would call it"
+    if kind == "parquet":
+        assert message == f"cannot read parquet file {planted} (ValueError: its metadata names {named}); download it again"
+    else:
+        assert message == (f"cannot read the save_to_disk folder {folder} (ValueError: {planted.relative_to(folder)} "
+                           f"names {named}); save it again with DatasetDict.save_to_disk")
+    assert "pyarrow version info" not in capfd.readouterr().out
+    with contextlib.suppress(Exception):
+        if kind == "parquet":
+            datasets.load_dataset("parquet", data_files=str(planted), cache_dir=str(tmp_path / "hf"))
+        else:
+            datasets.load_from_disk(str(folder))
+    assert "pyarrow version info" in capfd.readouterr().out
 
 
 def test_data_dir_and_dataset_errors(tmp_path):

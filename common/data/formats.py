@@ -11,6 +11,7 @@ Any of:
 """
 
 import io
+import json
 import os
 import re
 import shlex
@@ -35,6 +36,12 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".ti
 # numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
 ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
           ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+# The dtypes of datasets' Value and Array features (pyarrow's types). It makes one by calling the
+# pyarrow function of that name, pa.__dict__[dtype](): any other name in a dataset's metadata
+# would be called as the dataset is read (pyarrow.show_versions prints its table).
+DTYPES = re.compile(r"null|bool|u?int(8|16|32|64)|float(16|32|64)?|double|(large_)?(string|binary)"
+                    r"|(string|binary)_view|date(32|64)|(time(32|64)|timestamp|duration)\[[^]]*\]"
+                    r"|decimal(32|64|128|256)\(\d+, ?-?\d+\)")
 
 
 def detect_format(data_dir: Path):
@@ -91,8 +98,14 @@ def _all_files(folder: Path) -> list[Path]:
 
 def _read_saved(folder: Path) -> ImageSource:
     import datasets
+    import pyarrow
 
-    try:
+    try:  # the features of each split's dataset_info.json and Arrow files, before datasets's load
+        for info in sorted(folder.rglob("dataset_info.json")):
+            _check_features(json.loads(info.read_text()), info.relative_to(folder))
+        for table in sorted(folder.rglob("*.arrow")):
+            with pyarrow.memory_map(str(table)) as f:
+                _check_features(pyarrow.ipc.open_stream(f).schema, table.relative_to(folder))
         splits = datasets.load_from_disk(str(folder))
     except Exception as e:
         raise UserError(f"cannot read the save_to_disk folder {folder} ({first_line(e)}); "
@@ -113,7 +126,7 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: str | None) -> Image
                         f"{', '.join(f.name for f in files[:4])}); add the train split")
     for file in (f for found in by_split.values() for f in found):
         try:  # reads the footer, so a truncated download is caught here, by name
-            pyarrow.parquet.read_schema(file)
+            _check_features(pyarrow.parquet.read_schema(file), "its metadata")
         except Exception as e:
             raise UserError(f"cannot read parquet file {file} ({first_line(e)}); download it "
                             f"again") from None
@@ -125,6 +138,21 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: str | None) -> Image
         raise UserError(f"cannot read the parquet files under {root} ({first_line(e)}); "
                         f"download them again") from None
     return from_hf(splits, f"parquet files under {root}", fallback_names=_readme_class_names(root))
+
+
+def _check_features(info, where) -> None:
+    """Raise ValueError where the features of ``info`` (a DatasetInfo's JSON, or the schema of an
+    Arrow or parquet file, which holds one in its metadata) name a dtype that is none of DTYPES."""
+    if not isinstance(info, dict):
+        info = json.loads((info.metadata or {}).get(b"huggingface", b"{}")).get("info", {})
+    todo = [info.get("features")]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict) and isinstance(dtype := node.get("dtype"), str) \
+                and not DTYPES.fullmatch(dtype):
+            raise ValueError(f"{where} names the dtype {dtype!r}, which is not one of pyarrow's "
+                             f"types: datasets would call it")
+        todo += node.values() if isinstance(node, dict) else node if isinstance(node, list) else []
 
 
 def _readme_class_names(root: Path) -> list[str] | None:
