@@ -85,12 +85,12 @@ def save_as_data(accelerator, obj, name: str) -> None:
                 save_file(tensors, Path(folder) / f"{name}.safetensors")
 
     def restore(models, folder):  # not accelerate.utils.load, which code_in_checkpoint uses
-        state = json.loads((Path(folder) / f"{name}.json").read_text())
         tensors = Path(folder) / f"{name}.safetensors"
+        state = json.loads((file := Path(folder) / f"{name}.json").read_text())
         for key, tensor in (load_file(tensors) if tensors.exists() else {}).items():
-            *path, leaf = key.split("/")  # the dicts on its path are in the JSON
-            functools.reduce(dict.__getitem__, path, state)[leaf] = tensor
-        obj.load_state_dict(state)
+            *dicts, leaf = key.split("/")  # the dicts on its path are in the JSON
+            functools.reduce(dict.__getitem__, dicts, state)[leaf] = tensor
+        obj.load_state_dict(state)  # a value it refuses: ``file``'s (the last path of the frame)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(restore)

@@ -223,6 +223,20 @@ def test_unreadable_cache_file_is_rebuilt_with_a_warning(fake_hub, source, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file.name, f"{cache_file.name}.lock"]
 
 
+def test_a_cache_file_carrying_code_is_rebuilt_and_runs_nothing(fake_hub, source, tmp_path, caplog):
+    """The decoded cache a pickle whose __reduce__ would make a marker (torch.save's zip, as the cache is):
+    refused by torch's weights_only loader, said in the warning by the name it refused (never torch's advice
+    to load it with weights_only=False), and rebuilt."""
+    load_image_data("cifar10", cache_dir=str(tmp_path))
+    (cache_file,) = tmp_path.glob("*.pt")
+    torch.save({"train_images": Payload(tmp_path / "marker")}, cache_file)
+    assert_same(load_image_data("cifar10", cache_dir=str(tmp_path)), source)
+    assert not (tmp_path / "marker").exists() and len(fake_hub) == 2
+    assert (f"ignoring unreadable cache file {cache_file} ({cache_file.name} could run code: it names posix.system, "
+            f"which is not data); rebuilding it") in caplog.text
+    assert "weights_only" not in caplog.text
+
+
 def test_data_dir_cache_is_reused_until_a_file_changes(formats, tmp_path, monkeypatch):
     folder = copy_of(formats["image_folder"], tmp_path)
     cache = str(tmp_path / "cache")

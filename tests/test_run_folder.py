@@ -8,6 +8,7 @@ what a user sees: a damaged newest checkpoint skipped, a second job refused, the
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import ROOT, plant, run, tree_digest
+from helpers import ROOT, plant, relist, run, tree_digest
 
 from common.errors import UserError
 from common.run.checkpoints import (
@@ -29,6 +30,7 @@ from common.run.checkpoints import (
     save_checkpoint,
 )
 from common.run.folder import lock_run_and_find_resume
+from common.run.record import check_resume_config
 from common.run.lock import JOB_FILE, LOCK_FILE, RunLock, lock_run_folder
 from common.recipe.ema import WeightAverage
 
@@ -497,3 +499,88 @@ def test_links_planted_in_a_run_folder_are_never_written_through(tmp_path):
     # the files it wrote went through their temporary names, the links there gone with them
     assert not (out / ".tmp-metrics.jsonl").is_symlink() and not (out / ".tmp-model.safetensors").is_symlink()
     assert not (out / "model.safetensors").is_symlink() and (out / "model.safetensors").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------ the JSON a resume reads
+
+# A value of a checkpoint's JSON that these scripts never write: the file, what is changed in it, and how the
+# line names it (the field and its value)
+HOSTILE = {
+    "step text": ("progress.json", {"step": "abc"}, "step is 'abc', which these scripts never write"),
+    "step NaN": ("progress.json", {"step": float("nan")}, "step is nan, which these scripts never write"),
+    "step 1e308": ("progress.json", {"step": 1e308}, "step is 1e+308, which these scripts never write"),
+    "step negative": ("progress.json", {"step": -4}, "step is -4, which these scripts never write"),
+    "epoch text": ("progress.json", {"epoch": "x"}, "epoch is 'x', which these scripts never write"),
+    "epoch negative": ("progress.json", {"epoch": -1}, "epoch is -1, which these scripts never write"),
+    "batch_in_epoch 1e9": ("progress.json", {"batch_in_epoch": 1e9},
+                           "batch_in_epoch is 1000000000.0, which these scripts never write"),
+    "history a number": ("progress.json", {"history": 5}, "history is 5, which these scripts never write"),
+    "an epoch without epoch_complete": ("progress.json", {"history": [{"epoch": 1, "test_acc": 0.5}]},
+                                        "history is [{'epoch': 1, 'test_acc': 0.5}], which these scripts never write"),
+    "run id a number": ("progress.json", {"tracker_run_id": 7}, "tracker_run_id is 7, which these scripts never write"),
+    "updates text": ("weight_average.json", {"updates": "x"}, "updates 'x' is not a whole number from 0"),
+}
+
+
+def rewrite_json(path: Path, **changes) -> None:
+    """``path``'s JSON with ``changes``, its checkpoint's list written again to match (a forgery)."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    relist(path.parent)
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_value_of_a_checkpoint_s_json_that_the_scripts_never_write_is_one_line(tmp_path, case):
+    """Each value of progress.json and weight_average.json is checked by type and range as it loads: the
+    checkpoint does not load, named with the file and the field, in one line (here named by --resume: nothing
+    to fall back to), never a traceback nor a run that goes on from it."""
+    name, changes, said = HOSTILE[case]
+    accelerator = tiny_accelerator()
+    WeightAverage(accelerator, accelerator._models[0], 0.9)
+    checkpoint = save_checkpoint(accelerator, tmp_path / "run", 4, keep=2)
+    config = {"args": {"resume": str(checkpoint)}}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    rewrite_json(checkpoint / name, **changes)
+    with pytest.raises(UserError) as error:
+        resume_from(accelerator, checkpoint, accelerator.progress, config, set())
+    assert error.value.message == (f"--resume: {checkpoint} is damaged ({name} does not load (ValueError: {said})) "
+                                   f"and no complete checkpoint comes before it")
+
+
+def test_progress_whose_steps_do_not_add_up_is_one_line(tmp_path):
+    """A step count of the right type that is not this run's (10^30 steps at epoch 0): one line, not a run
+    that ends at once and writes its weights untrained."""
+    accelerator = tiny_accelerator()
+    checkpoint = save_checkpoint(accelerator, tmp_path / "run", 4, keep=2)
+    config = {"args": {}, "steps_per_epoch": 4}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    rewrite_json(checkpoint / "progress.json", step=10**30)
+    with pytest.raises(UserError) as error:
+        resume_from(accelerator, checkpoint, accelerator.progress, config, set())
+    assert error.value.message == (f"--resume: {checkpoint}/progress.json: step {10**30} is not epoch 0 x 4 steps "
+                                   f"+ 0: it is no checkpoint of this run; start a new run")
+
+
+@pytest.mark.parametrize("args", ["a string", ["a", "list"], None])
+def test_a_config_json_whose_flags_are_not_a_mapping_is_one_line(out, args):
+    (out / "config.json").write_text(json.dumps({"args": args}))
+    with pytest.raises(UserError) as error:
+        check_resume_config(out / "checkpoints" / "step_00000008", {"args": {"model": "resnet20"}}, set())
+    assert error.value.message == (f"--resume: {out / 'config.json'} is missing or unreadable, so the run's flags "
+                                   f"are unknown; start a new run")
+
+
+def test_a_resume_skips_a_checkpoint_whose_progress_was_forged_and_finishes(tmp_path):
+    """The script itself: the newest checkpoint's progress.json says step 1e308 (a run that would end at once,
+    its weights untrained); the resume skips it with one warning, goes on from the one before and finishes
+    where an uninterrupted run does."""
+    out = tmp_path / "run"
+    run("train_single.py", *SMALL, "--epochs", "2", "--max-steps", "4", "--checkpoint-every", "2",
+        "--output-dir", out, cwd=tmp_path)
+    newest = out / "checkpoints" / "step_00000004"
+    rewrite_json(newest / "progress.json", step=1e308)
+    done = run("train_single.py", *SMALL, "--epochs", "2", "--output-dir", out, "--resume", cwd=tmp_path)
+    warned = re.findall(r"(?:warning|error): [^\r\n]*", done.stderr)
+    assert warned == [f"warning: damaged checkpoint skipped (step_00000004: progress.json does not load (ValueError: "
+                      f"step is 1e+308, which these scripts never write)): resuming from {out}/checkpoints/"
+                      f"step_00000002, the newest complete one before it"], done.stderr
+    assert "done: step 8" in done.stdout and "Traceback" not in done.stderr

@@ -25,7 +25,8 @@ from common.data.hub import HUB_REPOS
 from common.data.options import cache_folder, default_cache_dir
 from common.data.sources import carve_decoded, check_dataset_name, open_unchecked
 from common.data.splits import NO_EVAL_SPLIT, ImageData, check_classes, checked
-from common.errors import UserError, first_line
+from common.data_only import file_problem
+from common.errors import UserError
 from common.failures import why_not_written
 from common.files import atomic_write
 
@@ -101,7 +102,7 @@ def _cached(path: Path, build=None) -> ImageData | None:
             except Exception as e:  # a truncated or foreign file only costs a rebuild
                 if build is not None:
                     log.warning("ignoring unreadable cache file %s (%s); rebuilding it", path,
-                                first_line(e))
+                            file_problem(path.name, e))  # never torch's weights_only advice
         if build is None:
             return None
         data = build()

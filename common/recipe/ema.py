@@ -86,6 +86,8 @@ class WeightAverage:
                 "average": {name: average.cpu() for name, average in zip(self.names, self.average)}}
 
     def load_state_dict(self, state: dict) -> None:
+        if type(state["updates"]) is not int or state["updates"] < 0:
+            raise ValueError(f"updates {state['updates']!r} is not a whole number from 0")
         self.updates = state["updates"]
         with torch.no_grad():
             # the checkpoints of compiled runs before 2026-12: torch.compile's prefix in each name

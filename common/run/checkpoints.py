@@ -76,7 +76,7 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         digests = {str(name): str(crc) for name, crc in manifest["crc32"].items()}
     except FileNotFoundError:
         return f"{MANIFEST} is missing"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return f"{MANIFEST} is unreadable"
     try:
         unlisted = sorted(set(_state_files(checkpoint)) - set(files))
@@ -290,6 +290,13 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
         checkpoint, message = from_main(accelerator, (older, message))
         if message:
             fail_together(accelerator, message)
+    per_epoch = config.get("steps_per_epoch", progress.batch_in_epoch)
+    if progress.step != progress.epoch * per_epoch + progress.batch_in_epoch or \
+            progress.batch_in_epoch > per_epoch:
+        fail_together(accelerator, (
+            f"--resume: {checkpoint}/progress.json: step {progress.step} is not epoch "
+            f"{progress.epoch} x {per_epoch} steps + {progress.batch_in_epoch}: it is no "
+            f"checkpoint of this run; start a new run"))
     progress.history = [m for m in progress.history if m["epoch_complete"]]
     accelerator.print(f"resumed from {checkpoint} at epoch {progress.epoch + 1}, "
                       f"step {progress.step}")
@@ -348,5 +355,20 @@ class TrainProgress:
         return dict(vars(self))  # the six values __init__ sets
 
     def load_state_dict(self, state: dict) -> None:
+        """Each of the six values, checked (a ValueError naming it): ``_fits``."""
         for key in self.state_dict():  # each one must be there
-            setattr(self, key, state[key])
+            if not _fits(key, value := state[key]):
+                raise ValueError(f"{key} is {value!r:.60}, which these scripts never write")
+            setattr(self, key, value)
+
+
+def _fits(key: str, value) -> bool:
+    """Whether ``value`` is one TrainProgress writes as ``key``: a count is a whole number from 0,
+    a run id text, each epoch of the history a record of record_epoch's."""
+    if key.endswith("run_id"):
+        return value is None or isinstance(value, str)
+    if key == "history":
+        return isinstance(value, list) and all(
+            isinstance(m, dict) and type(m.get("epoch_complete")) is bool
+            and type(m.get("test_acc")) in (int, float) for m in value)
+    return type(value) is int and value >= 0

@@ -241,7 +241,8 @@ def _ended(holder: dict, me: dict) -> bool:
     """Without flock: whether the holder written in the lock file is known to have ended."""
     if holder.get("job") and holder.get("job") == me["job"]:
         return True  # this job before it was restarted or requeued
-    if holder.get("host") != me["host"] or not isinstance(holder.get("pid"), int):
+    pid = holder.get("pid")
+    if holder.get("host") != me["host"] or type(pid) is not int or not 0 < pid < 2**31:
         return False  # another host: no way to know
     # psutil's test: one that runs as another user runs; a thread's id is no process
-    return not psutil.pid_exists(holder["pid"])
+    return not psutil.pid_exists(pid)

@@ -65,7 +65,8 @@ def check_resume_config(checkpoint: Path, config: dict, resumable: set[str]) -> 
     output_dir = Path(checkpoint).parent.parent
     try:
         saved = json.loads((output_dir / "config.json").read_text())
-        saved_flags = saved["args"]
+        if not isinstance(saved_flags := saved["args"], dict):  # flag: value
+            raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"--resume: {output_dir / 'config.json'} is missing or unreadable, so the "
                         f"run's flags are unknown; start a new run") from None
