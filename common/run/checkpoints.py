@@ -290,9 +290,9 @@ def resume_from(accelerator, checkpoint: Path | None, progress: "TrainProgress",
         checkpoint, message = from_main(accelerator, (older, message))
         if message:
             fail_together(accelerator, message)
-    per_epoch = config.get("steps_per_epoch", progress.batch_in_epoch)
-    if progress.step != progress.epoch * per_epoch + progress.batch_in_epoch or \
-            progress.batch_in_epoch > per_epoch:
+    per_epoch = config.get("steps_per_epoch")  # the counts of a checkpoint of this run add up
+    if per_epoch and (progress.batch_in_epoch > per_epoch or
+                      progress.step != progress.epoch * per_epoch + progress.batch_in_epoch):
         fail_together(accelerator, (
             f"--resume: {checkpoint}/progress.json: step {progress.step} is not epoch "
             f"{progress.epoch} x {per_epoch} steps + {progress.batch_in_epoch}: it is no "
