@@ -82,31 +82,27 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                        help="NHWC memory format for the model and its batches: faster convolutions "
                             "on tensor cores and in oneDNN on CPUs (default: on)")
-    train.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
-                       help="fp32 matmuls and convolutions in TF32 on GPUs of compute capability "
-                            "8.0 and newer (Ampere, Hopper): tensor-core speed with fp32's range; "
-                            "--no-tf32 for strict fp32. No effect on CPUs and older GPUs "
-                            "(default: on)")
-    train.add_argument("--deterministic", action="store_true",
-                       help="deterministic GPU kernels only, so a run and its --resume repeat bit "
-                            "for bit on a GPU as they do on a CPU; slower, and an op without a "
-                            "deterministic kernel stops the run (default: off, cuDNN picks the "
-                            "fastest kernels)")
+    train.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="fp32 "
+                       "matmuls and convolutions in TF32 on GPUs of compute capability 8.0 and "
+                       "newer (Ampere, Hopper): tensor-core speed with fp32's range; --no-tf32 for "
+                       "strict fp32. No effect on CPUs and older GPUs (default: on)")
+    train.add_argument("--deterministic", action="store_true", help="deterministic GPU kernels "
+                       "only, so a run and its --resume repeat bit for bit on a GPU as they do on "
+                       "a CPU; slower, and an op without a deterministic kernel stops the run "
+                       "(default: off, cuDNN picks the fastest kernels)")
     train.add_argument("--epochs", type=int, default=15,
                        help="passes over the training split (default: %(default)s)")
-    train.add_argument("--batch-size", type=int, default=128,
-                       help="GLOBAL batch: images per optimizer step summed over all devices and "
-                            "processes; each device gets batch-size / devices "
-                            "(default: %(default)s)")
+    train.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch: images per "
+                       "optimizer step summed over all devices and processes; each device gets "
+                       "batch-size / devices (default: %(default)s)")
     train.add_argument("--grad-accum", type=int, default=1, metavar="N",
                        help="gradient accumulation: each optimizer step sums the gradients of N "
                             "micro-batches of --batch-size / N images (each process a slice of "
                             "them), with one gradient all-reduce per step, for a batch that does "
                             "not fit in memory at once (default: %(default)s)")
-    train.add_argument("--lr", type=float, default=None,
-                       help="peak learning rate of the schedule for a global batch of "
-                            "--reference-batch-size; other batch sizes scale it (--scale-lr) "
-                            "(default: 0.1 with --optimizer sgd, 0.001 with adamw)")
+    train.add_argument("--lr", type=float, default=None, help="peak learning rate of the schedule "
+                       "for a global batch of --reference-batch-size; other batch sizes scale it "
+                       "(--scale-lr) (default: 0.1 with --optimizer sgd, 0.001 with adamw)")
     train.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
                        help="linear scaling rule: peak lr = --lr x --batch-size / "
                             "--reference-batch-size, so a larger global batch keeps its accuracy; "
@@ -115,10 +111,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                        help="the global batch that --lr is tuned for (default: %(default)s)")
     train.add_argument("--momentum", type=float, default=0.9,
                        help="SGD momentum, Nesterov (default: %(default)s)")
-    train.add_argument("--weight-decay", type=float, default=5e-4,
-                       help="weight decay of the weights (not of norm and bias parameters): SGD's "
-                            "L2, AdamW's decoupled decay, for which 0.05 is usual "
-                            "(default: %(default)s)")
+    train.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay of the "
+                       "weights (not of norm and bias parameters): SGD's L2, AdamW's decoupled "
+                       "decay, for which 0.05 is usual (default: %(default)s)")
     train.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
                        help="clip the global gradient norm (all parameters, all processes) to "
                             "MAX_NORM before each step (default: no clipping)")
@@ -127,9 +122,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                             "buffers) with this decay, e.g. 0.999, after a warm-up; evaluated each "
                             "epoch next to the live weights and saved as model.safetensors; 0 for "
                             "none (default: %(default)s)")
-    train.add_argument("--label-smoothing", type=float, default=0.0,
-                       help="label smoothing of the cross-entropy, 0 for none "
-                            "(default: %(default)s)")
+    train.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing of the "
+                       "cross-entropy, 0 for none (default: %(default)s)")
     train.add_argument("--schedule", default="onecycle", choices=("onecycle", "step"),
                        help="onecycle: cosine warm-up then cosine decay to ~0; step: linear "
                             "warm-up, then lr divided by 10 at each of --milestones "
@@ -137,44 +131,38 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     train.add_argument("--milestones", type=int, nargs="+", default=[4, 9, 14],
                        help="epochs after which the step schedule divides the lr by 10; the "
                             "articles' recipe is 4 9 14 with 15 epochs (default: %(default)s)")
-    train.add_argument("--warmup-epochs", type=float, default=1.0,
-                       help="warm-up length in epochs, for both schedules: onecycle rises from "
-                            "lr/25 along a cosine, step rises linearly; 0 for none "
-                            "(default: %(default)s)")
-    train.add_argument("--seed", type=int, default=0,
-                       help="seed of initialisation, shuffling and augmentation "
-                            "(default: %(default)s)")
+    train.add_argument("--warmup-epochs", type=float, default=1.0, help="warm-up length in epochs, "
+                       "for both schedules: onecycle rises from lr/25 along a cosine, step rises "
+                       "linearly; 0 for none (default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="seed of initialisation, shuffling and "
+                       "augmentation (default: %(default)s)")
     train.add_argument("--compile", nargs="?", const="inductor", default="auto", metavar="BACKEND",
-                       choices=COMPILE_CHOICES,
-                       help="torch.compile the model, through Accelerate's dynamo plugin: auto "
-                            "replays each step as CUDA graphs in a one-process run on a CUDA GPU "
-                            "(TorchInductor's reduce-overhead; without graphs with --grad-accum; "
-                            "eager with --deterministic, several processes, DataParallel or "
-                            "FSDP2) and trains eagerly on a CPU; none: eager; inductor (the value "
-                            "with no BACKEND) compiles; aot_eager checks that the model traces. "
-                            "Each launch compiles (about a minute) into a cache of its own, never "
-                            "one others can write (TORCHINDUCTOR_CACHE_DIR, set, is used) "
-                            "(default: %(default)s)")
+                       choices=COMPILE_CHOICES, help="torch.compile the model, through "
+                       "Accelerate's dynamo plugin: auto replays each step as CUDA graphs in a "
+                       "one-process run on a CUDA GPU (TorchInductor's reduce-overhead; without "
+                       "graphs with --grad-accum; eager with --deterministic, several processes, "
+                       "DataParallel or FSDP2) and trains eagerly on a CPU; none: eager; inductor "
+                       "(the value with no BACKEND) compiles; aot_eager checks that the model "
+                       "traces. Each launch compiles (about a minute) into a cache of its own, "
+                       "never one others can write (TORCHINDUCTOR_CACHE_DIR, set, is used) "
+                       "(default: %(default)s)")
     train.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                        help="TorchInductor's mode, with --compile inductor: reduce-overhead "
                             "replays each step as CUDA graphs, for GPUs waiting on the host's "
                             "kernel launches (small models and batches); max-autotune also tunes "
                             "the kernels. On a CPU no CUDA graphs (default: %(default)s; "
                             "--compile auto picks its own)")
-    train.add_argument("--max-steps", type=int, default=None,
-                       help="stop after this many optimizer steps in all (counted from the start "
-                            "of the run, resumes included), with a checkpoint; for tests and "
-                            "benchmarks")
-    train.add_argument("--profile", default=None, metavar="[SKIP:]STEPS",
-                       help="trace STEPS optimizer steps with torch.profiler, after the first 5 of "
-                            "this launch (or SKIP), into --output-dir/profile/ (Perfetto, "
-                            "chrome://tracing), and print the ops that cost most per step at the "
-                            "end, e.g. 5 or 20:5 (default: off)")
+    train.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer "
+                       "steps in all (counted from the start of the run, resumes included), with a "
+                       "checkpoint; for tests and benchmarks")
+    train.add_argument("--profile", default=None, metavar="[SKIP:]STEPS", help="trace STEPS "
+                       "optimizer steps with torch.profiler, after the first 5 of this launch (or "
+                       "SKIP), into --output-dir/profile/ (Perfetto, chrome://tracing), and print "
+                       "the ops that cost most per step at the end, e.g. 5 or 20:5 (default: off)")
 
     run = parser.add_argument_group("run record")
-    run.add_argument("--output-dir", default=None,
-                     help="folder of the run record and checkpoints "
-                          "(default: a new runs/<script>-<time>)")
+    run.add_argument("--output-dir", default=None, help="folder of the run record and checkpoints "
+                     "(default: a new runs/<script>-<time>)")
     run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                      help="continue the run in --output-dir from its newest complete checkpoint, "
                           "or from CHECKPOINT (runs/NAME/checkpoints/step_NNNNNNNN)")
@@ -186,13 +174,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
     tracking = parser.add_argument_group("tracking (wandb, TensorBoard, MLflow: Accelerate's)")
     tracking.add_argument("--report-to", nargs="+", default=["wandb"], metavar="TRACKER",
-                          choices=(*TRACKERS, "none"),
-                          help="one or more of: wandb (one run per job, offline under --output-dir "
-                               "when no API key is configured); tensorboard (events in "
-                               "--output-dir/tensorboard); mlflow (one run per job, in "
-                               "--output-dir/mlflow.db unless MLFLOW_TRACKING_URI is set); or "
-                               "none: no tracking. --resume continues the same runs; see "
-                               "docs/usage.md (default: wandb)")
+                          choices=(*TRACKERS, "none"), help="one or more of: wandb (one run per "
+                          "job, offline under --output-dir when no API key is configured); "
+                          "tensorboard (events in --output-dir/tensorboard); mlflow (one run per "
+                          "job, in --output-dir/mlflow.db unless MLFLOW_TRACKING_URI is set); or "
+                          "none: no tracking. --resume continues the same runs; see docs/usage.md "
+                          "(default: wandb)")
     tracking.add_argument("--wandb-project", default=None,
                           help="wandb project, also the MLflow experiment and the TensorBoard "
                                "run's folder (default: $WANDB_PROJECT or multigpu-cifar)")
@@ -202,31 +189,27 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                           help="wandb tags (default: $WANDB_TAGS)")
     tracking.add_argument("--wandb-group", default=None,
                           help="wandb group, e.g. one per sweep (default: $WANDB_RUN_GROUP)")
-    tracking.add_argument("--log-every", type=int, default=20,
-                          help="log the loss, lr and img/s to the trackers every this many "
-                               "optimizer steps (default: %(default)s)")
+    tracking.add_argument("--log-every", type=int, default=20, help="log the loss, lr and img/s to "
+                          "the trackers every this many optimizer steps (default: %(default)s)")
     return parser
 
 
 def add_ddp_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the scripts that run one process per GPU (DDP, AMP, FSDP2)."""
     processes = parser.add_argument_group("processes")
-    processes.add_argument("--sync-bn", action="store_true",
-                           help="SyncBatchNorm: BatchNorm statistics of the global batch (GPUs "
-                                "only)")
-    processes.add_argument("--dist-timeout", type=float, default=600,
-                           help="seconds (10 or more) a process waits for the others in a "
-                                "collective: a stalled one fails the job, not hangs it "
-                                "(default: %(default)s)")
+    processes.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm "
+                           "statistics of the global batch (GPUs only)")
+    processes.add_argument("--dist-timeout", type=float, default=600, help="seconds (10 or more) a "
+                           "process waits for the others in a collective: a stalled one fails the "
+                           "job, not hangs it (default: %(default)s)")
     processes.add_argument("--share-gpus", nargs="?", const="auto", default=None,
-                           choices=SHARE_GPUS, metavar="BACKEND",
-                           help="let several processes share each GPU, to rehearse a launch for "
-                                "more GPUs than this machine has (e.g. accelerate_configs/"
-                                "8gpu_rehearsal.yaml on 1 GPU): it proves the launch, checkpoints "
-                                "and resume, not speed. BACKEND: auto (NCCL where it can share a "
-                                "GPU, 2.30 and newer; else gloo; FSDP2: NCCL only), nccl or gloo; "
-                                "with a GPU each it changes nothing (default: off, one process "
-                                "per GPU; more processes than GPUs is refused)")
+                           choices=SHARE_GPUS, metavar="BACKEND", help="let several processes "
+                           "share each GPU, to rehearse a launch for more GPUs than this machine "
+                           "has (e.g. accelerate_configs/8gpu_rehearsal.yaml on 1 GPU): it proves "
+                           "the launch, checkpoints and resume, not speed. BACKEND: auto (NCCL "
+                           "where it can share a GPU, 2.30 and newer; else gloo; FSDP2: NCCL "
+                           "only), nccl or gloo; with a GPU each it changes nothing (default: off, "
+                           "one process per GPU; more processes than GPUs is refused)")
 
 
 def check_args(args: argparse.Namespace) -> None:

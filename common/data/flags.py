@@ -16,21 +16,18 @@ AUTO_AUGMENT = ("none", "randaugment", "trivialaugment")
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", default="cifar10",
-                      help="cifar10/cifar100 (uoft-cs/... on the Hugging Face Hub), any Hub image "
-                           "classification dataset id (owner/name) with an image and a label "
-                           "column, or synthetic: made on the spot, no download, suits a CPU "
-                           "(default: %(default)s)")
-    data.add_argument("--data-dir", default=None,
-                      help="read the data from this folder or archive instead of the Hub: a Hub "
-                           "snapshot (*.parquet), a save_to_disk folder, cifar-10-batches-py (or "
-                           "its .tar.gz), or an image folder train/<class>/* with test/<class>/* "
-                           "(or val/, validation/)")
-    data.add_argument("--val-fraction", type=float, default=None, metavar="F",
-                      help="evaluate on this share of the training images, drawn per class with "
-                           "--seed, and train on the rest, for data with no labelled test or "
-                           "validation split (default: the data's own test split, else its "
-                           "validation split)")
+    data.add_argument("--dataset", default="cifar10", help="cifar10/cifar100 (uoft-cs/... on the "
+                      "Hugging Face Hub), any Hub image classification dataset id (owner/name) "
+                      "with an image and a label column, or synthetic: made on the spot, no "
+                      "download, suits a CPU (default: %(default)s)")
+    data.add_argument("--data-dir", default=None, help="read the data from this folder or archive "
+                      "instead of the Hub: a Hub snapshot (*.parquet), a save_to_disk folder, "
+                      "cifar-10-batches-py (or its .tar.gz), or an image folder train/<class>/* "
+                      "with test/<class>/* (or val/, validation/)")
+    data.add_argument("--val-fraction", type=float, default=None, metavar="F", help="evaluate on "
+                      "this share of the training images, drawn per class with --seed, and train "
+                      "on the rest, for data with no labelled test or validation split (default: "
+                      "the data's own test split, else its validation split)")
     data.add_argument("--image-size", type=int, default=None, metavar="N",
                       help="training and evaluation resolution N x N: images are resized "
                            "(shorter side) and centre-cropped to N, training ones then cropped at "
@@ -41,14 +38,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                            "(fastest, if they fit); workers: DataLoader workers decode and augment "
                            "each batch (any size); auto: device when the decoded images fit "
                            "--loader-budget (default: %(default)s)")
-    data.add_argument("--workers", type=int, default=None, metavar="N",
-                      help="DataLoader worker processes per training process for --loader workers "
-                           "(default: the CPU cores shared among the node's processes, less one, "
-                           "at most 16)")
-    data.add_argument("--loader-budget", type=float, default=None, metavar="GB",
-                      help="the most the decoded images may take for --loader device/auto "
-                           "(default: half the free memory of the GPU and of the host, whichever "
-                           "is less)")
+    data.add_argument("--workers", type=int, default=None, metavar="N", help="DataLoader worker "
+                      "processes per training process for --loader workers (default: the CPU cores "
+                      "shared among the node's processes, less one, at most 16)")
+    data.add_argument("--loader-budget", type=float, default=None, metavar="GB", help="the most "
+                      "the decoded images may take for --loader device/auto (default: half the "
+                      "free memory of the GPU and of the host, whichever is less)")
     data.add_argument("--bad-images", default="stop", choices=("stop", "skip"),
                       help="an image that cannot be decoded stops the run with its name (stop), "
                            "or is reported and left out (skip) (default: %(default)s)")
@@ -94,18 +89,15 @@ def add_augment_args(parser: argparse.ArgumentParser) -> None:
                          help="random crop and horizontal flip of training images: up to 64px "
                               "padded by 4 and cropped, above 64px random-resized crops, with "
                               "either --loader (default: on)")
-    augment.add_argument("--auto-augment", default="none", choices=AUTO_AUGMENT,
-                         help="RandAugment or TrivialAugmentWide (torchvision), one policy drawn "
-                              "per image in the DataLoader workers: needs --loader workers "
-                              "(default: %(default)s)")
-    augment.add_argument("--random-erase", type=float, default=0.0, metavar="P",
-                         help="erase a random rectangle of each training image with probability "
-                              "P, as torchvision's RandomErasing, after the normalisation "
-                              "(default: 0)")
-    augment.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
-                         help="MixUp: each batch blended with itself in another order, by a share "
-                              "drawn from Beta(ALPHA, ALPHA), the labels likewise, e.g. 0.2 "
-                              "(default: 0, off)")
+    augment.add_argument("--auto-augment", default="none", choices=AUTO_AUGMENT, help="RandAugment "
+                         "or TrivialAugmentWide (torchvision), one policy drawn per image in the "
+                         "DataLoader workers: needs --loader workers (default: %(default)s)")
+    augment.add_argument("--random-erase", type=float, default=0.0, metavar="P", help="erase a "
+                         "random rectangle of each training image with probability P, as "
+                         "torchvision's RandomErasing, after the normalisation (default: 0)")
+    augment.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA", help="MixUp: each "
+                         "batch blended with itself in another order, by a share drawn from "
+                         "Beta(ALPHA, ALPHA), the labels likewise, e.g. 0.2 (default: 0, off)")
     augment.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
                          help="CutMix: a rectangle of another image of the batch pasted in, the "
                               "labels mixed by its area, e.g. 1.0; with --mixup, one of the two "

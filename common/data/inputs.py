@@ -10,12 +10,10 @@ on the training device; a batch is one indexing operation and its augmentation a
 operations (common.data.transform). The fastest path, for datasets that fit: CIFAR-10 is 180 MB.
 
 --loader workers (common.data.workers): DataLoader workers read, decode and augment each sample of
-this process's slice of the batch; nothing decoded is held, so any number of images of any size
-trains.
+this process's slice of the batch; nothing decoded is held, so images of any number and size train.
 
 --loader auto (the default) takes device when the decoded dataset fits the budget
-(common.data.choice). The other modules of common.data, one job each, are listed in its
-__init__.py.
+(common.data.choice). The other modules of common.data, one job each, are listed in its __init__.py.
 """
 
 import dataclasses
@@ -63,8 +61,7 @@ class Inputs:
 
     @property
     def config(self) -> dict:
-        """What config.json records about the data (and model.safetensors, of it, for
-        evaluation)."""
+        """What config.json records of the data (model.safetensors part of it, for evaluation)."""
         return {"data": self.source, "classes": self.classes, "train_size": self.train_size,
                 "test_size": self.test_size, "image_size": [self.image_size, self.image_size],
                 "loader": self.loader, "loader_reason": self.why, "loader_workers": self.workers,
@@ -95,9 +92,8 @@ def load_data(args, accelerator, checkpoint) -> tuple:
 
 def load_inputs(options: DataOptions, accelerator) -> Inputs:
     """The loaders of ``options`` (common.data.flags.data_options) for ``accelerator``'s device and
-    processes; one line and exit status 1 when the data or the flags cannot work (one line on N
-    processes too). Each batch is a micro-batch: --batch-size / --grad-accum images over all
-    processes."""
+    processes; one line and exit status 1 when the data or flags cannot work (once on N processes
+    too). Each batch is a micro-batch: --batch-size / --grad-accum images over all processes."""
     inputs = loaders(options, accelerator, train=True)
     inputs.mix = BatchMix(inputs.num_classes, options.mixup, options.cutmix, options.seed,
                           accelerator.process_index)
@@ -162,8 +158,7 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
     loader, why = choose_loader(accelerator, options.loader, images, size, options.loader_budget)
     skip_bad = options.bad_images == "skip"
     if loader == "device":
-        # The first process to get there decodes (and downloads); the others wait, then read its
-        # cache.
+        # The first process there decodes (and downloads); the others wait, then read its cache.
         data = load_image_data(options.dataset, options.data_dir, options.cache_dir,
                                options.synthetic_train_size, options.synthetic_test_size,
                                seed=options.seed, image_size=None if size == native else size,
@@ -173,8 +168,7 @@ def _build(options: DataOptions, accelerator, source, train: bool) -> Inputs:
     on_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # share its cores
     workers = default_workers(on_node) if options.workers is None else options.workers
     report_bad_images(training=train)  # a worker's unreadable image: one line, not a traceback
-    # Augmentation happens in the workers, per sample; on the device only the normalisation (and
-    # --random-erase).
+    # The workers augment, per sample; the device only normalises (and --random-erase).
     stats = _normalization(options) or sample_stats(source.train, size,
                                                     interpolation=options.interpolation)
     transform = BatchTransform(*stats, augment=False, channels_last=options.channels_last,
@@ -208,12 +202,10 @@ def _on_device(options: DataOptions, device, data, why: str, train: bool) -> Inp
 
 def _normalization(options: DataOptions) -> tuple | None:
     """The mean and std pretrained weights were trained with; None: the training images' own."""
-    given = options.normalization
-    return (given["mean"], given["std"]) if given else None
+    return (given["mean"], given["std"]) if (given := options.normalization) else None
 
 
 def _eval_split(options: DataOptions) -> dict | None:
     """--val-fraction and --seed, which evaluation needs to find the same split."""
-    if not options.val_fraction:
-        return None
-    return {"val_fraction": options.val_fraction, "seed": options.seed}
+    return ({"val_fraction": options.val_fraction, "seed": options.seed} if options.val_fraction
+            else None)

@@ -1,5 +1,4 @@
-"""Pretrained weights for fine-tuning: found offline, loaded with the head swapped, the inputs they
-expect.
+"""Pretrained weights for fine-tuning: found offline, loaded with the head swapped, their inputs.
 
     weights = find_weights(args.model, args.pretrained, args.pretrained_path)  # None: random init
     data = load_inputs(data_options(args, weights), accelerator)  # their size, mean and std
@@ -15,8 +14,7 @@ Where the weights come from:
 - ``--pretrained-path FILE``: a safetensors file or a torch state dict (also one nested under
   "state_dict" or "model", or saved with DDP's "module." or torch.compile's "_orig_mod."). timm's
   and torchvision's ResNets share their keys, so either library's file loads into either.
-Without the file and without a network, one line says where the file must be: never a hang, never
-a silent random init.
+Without the file or a network, one line says where it must be: never a hang or a silent random init.
 
 The inputs: mean, std, input size and interpolation come from the weights' own config (timm's
 pretrained config, torchvision's weight transforms, or the metadata of one of our runs'
@@ -65,8 +63,7 @@ class Weights:
 
     @property
     def resize_interpolation(self) -> str:
-        """The interpolation the data path resizes with for them: theirs when it has it
-        (INTERPOLATIONS), else bilinear."""
+        """The data path's interpolation for them: theirs if among INTERPOLATIONS, else bilinear."""
         return self.interpolation if self.interpolation in INTERPOLATIONS else "bilinear"
 
 
@@ -91,7 +88,7 @@ def find_weights(model: str, pretrained: bool, path: str | None,
     resuming ``checkpoint`` does not read them: the checkpoint holds the trained weights, and its
     config.json what the run recorded of them (the file may be gone by then, a cleaned cache or
     another machine, or damaged: no other file would be accepted on resume)."""
-    if (pretrained or path) and (recorded := _recorded_weights(checkpoint)) is not None:
+    if checkpoint and (pretrained or path) and (recorded := _recorded_weights(checkpoint)):
         return recorded
     if path is not None:
         file = Path(path).expanduser()
@@ -108,10 +105,8 @@ def find_weights(model: str, pretrained: bool, path: str | None,
                     f"model.safetensors), or a timm:NAME or torchvision:NAME model")
 
 
-def _recorded_weights(checkpoint: Path | None) -> Weights | None:
-    """The weights config.json of ``checkpoint``'s run records (None: none, or no checkpoint)."""
-    if checkpoint is None:
-        return None
+def _recorded_weights(checkpoint: Path) -> Weights | None:
+    """The weights config.json of ``checkpoint``'s run records (None: none)."""
     try:
         config = json.loads((Path(checkpoint).parent.parent / "config.json").read_text())
         tuned, normalization = config["fine_tune"], config["fine_tune"]["normalization"]
@@ -216,9 +211,8 @@ def fine_tune(model: torch.nn.Module, weights: Weights | None, model_name: str, 
               image_size: int, freeze: str) -> dict:
     """``weights`` loaded into ``model`` (load_pretrained), its backbone frozen if ``freeze`` is
     "backbone" (freeze_backbone): {"fine_tune": what was done, for config.json and the start
-    line}, or {} for a model of random weights. Images of another ``image_size`` than the weights
-    were trained at (--image-size wins), and an interpolation the data path does not have, are said
-    in the same line, as warnings."""
+    line}, or {} for random weights. An ``image_size`` other than the weights' own (--image-size
+    wins), and an interpolation the data path lacks, are warnings in the same line."""
     if weights is None:
         return {}
     gone = "" if weights.file.is_file() else f" ({weights.file} is gone)"
@@ -254,8 +248,7 @@ def load_pretrained(model: torch.nn.Module, weights: Weights, model_name: str,
     head_keys = {k for k in own if k.startswith(f"{head}.")}
     swap = any(k not in found or found[k].shape != own[k].shape for k in head_keys)
     state = {k: v for k, v in found.items() if not (swap and k in head_keys)}
-    # BatchNorm's step counts are absent from older files (torchvision's V1 ResNets): the load fills
-    # them in itself.
+    # Older files (torchvision's V1 ResNets) lack BatchNorm's step counts: the load fills them in.
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")
                and not (swap and k in head_keys)]
     unexpected = [k for k in state if k not in own]

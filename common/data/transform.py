@@ -147,8 +147,7 @@ class BatchTransform:
         """A random-resized crop of each image, flipped half the time, back at the images' size:
         float (B, C, H, W), with the values of torchvision's resized_crop of the same box in float.
         Bilinear: one grid_sample for the batch, as torchvision's resize (a crop is never larger
-        than the image, so it is only ever enlarged and needs no antialiasing); bicubic:
-        bicubic_crops."""
+        than the image, so it is only enlarged: no antialiasing needed); bicubic: bicubic_crops."""
         b, _, h, w = images.shape
         top, left, height, width = resized_crop_boxes(b, h, w, generator)
         flipped = torch.rand(b, device=images.device, generator=generator) < 0.5
@@ -194,14 +193,13 @@ def bicubic_crops(images: torch.Tensor, top, left, height, width, flipped) -> to
 def _bicubic_taps(start, length, side: int, mirrored=None):
     """For each of ``side`` output pixels of a crop from ``start``, ``length`` long (float (B,)),
     the 4 image pixels it reads (int64 (B, side, 4)) and their weights (float (B, side, 4))."""
-    device = start.device
-    j = torch.arange(side, device=device, dtype=torch.float32) + 0.5
+    j = torch.arange(side, device=start.device, dtype=torch.float32) + 0.5
     centre = j * (length / side).view(-1, 1)  # in the crop's pixels
     # The kernel spans 2 pixels either side of the centre: taps beyond the crop are dropped (their
     # weight 0, their index the crop's edge) and the others' weights renormalised.
     first = (centre - 1.5).floor().clamp(min=0)
     end = torch.minimum((centre + 2.5).floor(), length.view(-1, 1))
-    taps = first.unsqueeze(-1) + torch.arange(4, device=device, dtype=torch.float32)
+    taps = first.unsqueeze(-1) + torch.arange(4, device=start.device, dtype=torch.float32)
     weights = _keys_cubic(taps + 0.5 - centre.unsqueeze(-1)) * (taps < end.unsqueeze(-1))
     weights = weights / weights.sum(-1, keepdim=True)
     index = (start.view(-1, 1, 1) + torch.minimum(taps, (length - 1).view(-1, 1, 1))).long()
@@ -257,10 +255,8 @@ def erase_rectangles(images: torch.Tensor, probability: float,
 
 def resized_crop_boxes(count: int, height: int, width: int, generator: torch.Generator):
     """(top, left, crop height, crop width), each float (count,) on the generator's device: the
-    boxes torchvision's RandomResizedCrop draws with its defaults, for ``count`` images of
-    height x width: 8 % to 100 % of the area, aspect ratio 3/4 to 4/3 (log-uniform), the first of
-    10 tries that fits, else the largest centre crop within those ratios. In float32, which every
-    device has."""
+    boxes torchvision's RandomResizedCrop draws with its defaults (resized_crop_box says which), for
+    ``count`` images of height x width. In float32, which every device has."""
     device = generator.device
     uniform = torch.rand(count, CROP_TRIES, 2, device=device, generator=generator)
     area = height * width * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * uniform[..., 0])
@@ -302,10 +298,8 @@ class BatchMix:
         shares = torch.nn.functional.one_hot(labels, self.num_classes).float()
         use_cutmix = self.cutmix and (not self.mixup or rng.random() < 0.5)
         lam = rng.betavariate(*(2 * [self.cutmix if use_cutmix else self.mixup]))
-        if use_cutmix:
-            images, lam = self._paste(images, order, lam, rng)
-        else:
-            images = images.lerp(images[order], 1 - lam)
+        images, lam = (self._paste(images, order, lam, rng) if use_cutmix
+                       else (images.lerp(images[order], 1 - lam), lam))
         layout = torch.channels_last if images.is_contiguous(
             memory_format=torch.channels_last) and images.dim() == 4 else torch.contiguous_format
         return images.contiguous(memory_format=layout), shares.lerp(shares[order], 1 - lam)

@@ -138,17 +138,16 @@ def _init_worker(seed: int, process: int, exiting, worker: int) -> None:
     base_seed + worker, base_seed drawn from the training process's torch generator, which
     set_seed(args.seed) makes the same on every process: worker k of each process then draws the
     same numbers (checked, torch 2.14), so the process is added here. The signals: SLURM signals
-    every process of a job, and a worker that died of one would fail the step the training
-    process finishes before it saves (common.parallel.step_guard.StepGuard). SIGTERM still ends a
-    worker once its training process is exiting (``exiting``, its _exiting() flag):
-    multiprocessing terminates the workers left then, and waits for them."""
+    every process of a job, Ctrl-C and a closed terminal the whole process group; the training
+    process decides (it saves and stops), and a worker that died of one would fail the step it
+    finishes before it saves (common.parallel.step_guard.StepGuard). SIGTERM still ends a worker
+    once its training process is exiting (``exiting``, its _exiting() flag): multiprocessing
+    terminates the workers left then, and waits for them."""
     seed = sample_seed(seed, process, worker)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # each worker is one core; the cores are shared among them
-    # Ctrl-C and a closed terminal signal the whole process group, workers included: the
-    # training process decides (it saves and stops), a worker that died would fail its step.
     for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop_signal, signal.SIG_IGN)
 

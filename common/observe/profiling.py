@@ -91,9 +91,8 @@ class StepProfiler:
                                    f"nothing traced")
             return
         if self.recorded < count:  # the table is per step of those recorded, not of those asked
-            last = skip + self.recorded - 1
-            traced = (f"the run ended inside the window: steps {skip + 1}-{last} and the run's "
-                      f"end ({self.recorded} steps)")
+            traced = (f"the run ended inside the window: steps {skip + 1}-"
+                      f"{skip + self.recorded - 1} and the run's end ({self.recorded} steps)")
         self.accelerator.print(f"--profile: {traced} of this launch traced "
                                f"in {self.trace.parent} (trace_rank<N>.json: Perfetto, "
                                f"chrome://tracing); per step, the main process:\n{self.table}")
@@ -103,9 +102,8 @@ class StepProfiler:
 
 
 def per_step_table(averages, steps: int, gpu: bool) -> str:
-    """The top ROWS operations of torch.profiler's ``averages`` (key_averages) by self time per
-    step on the device that trains: calls and self CPU / GPU time (microseconds) per step, and the
-    steps' totals."""
+    """The top ROWS ops of torch.profiler's ``averages`` (key_averages) by self time per step on the
+    training device: calls and self CPU / GPU time (us) per step, and the steps' totals."""
     rows = [(e.key, e.count, e.self_cpu_time_total, e.self_device_time_total) for e in averages
             if not e.key.startswith("ProfilerStep")]
     total = ("all ops", *(sum(row[i] for row in rows) for i in (1, 2, 3)))

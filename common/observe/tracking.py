@@ -7,19 +7,17 @@ processes the job has, and each gets the run's configuration, the per-step loss,
 every epoch's metrics.jsonl row, at the global optimizer step.
 
 - wandb: one run per job. Its id is kept in the training state, so --resume (and an automatic
-  restart) continues the same run. Without an API key and without WANDB_MODE, the run is written
-  offline under --output-dir and one line says how to upload it (`wandb sync`): never a login
-  prompt.
+  restart) continues the same run. Without an API key or WANDB_MODE, the run is written offline
+  under --output-dir and one line says how to upload it (`wandb sync`): never a login prompt.
 - TensorBoard: event files in --output-dir/tensorboard/<project>/ (TENSORBOARD_DIR), written
   offline; a resumed run adds its own file to the same folder.
 - MLflow: one run per job, in the SQLite store --output-dir/mlflow.db (MLFLOW_DB) unless
   MLFLOW_TRACKING_URI is set, which then wins: MLflow's own default would put the store in the
   working directory. The run id is kept in the training state, as wandb's is.
 
-A tracker whose package is not installed is one warning line naming the pip command (Accelerate
-alone would drop it with a debug message). A tracking failure, a wandb or MLflow server that does
-not answer in time (START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, prints one warning and
-training goes on without tracking.
+A tracker not installed is one warning line naming its pip command (Accelerate alone would drop it
+with a debug message). A tracking failure, a wandb or MLflow server that does not answer in time
+(START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, is one warning; training goes on without tracking.
 """
 
 import logging
@@ -80,10 +78,9 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     (installed_trackers); a tracker that --report-to names (``config["args"]``) but that is not
     installed gets one warning line.
 
-    ``project`` (the wandb project, MLflow experiment and TensorBoard folder), ``name``, ``tags``
-    and ``group`` win over the standard WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP
-    variables only when given, so those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and
-    MLFLOW_EXPERIMENT_NAME.
+    ``project`` (wandb's project, MLflow's experiment, TensorBoard's folder), ``name``, ``tags`` and
+    ``group`` win over WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP only when given, so
+    those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME.
     """
     if not accelerator.is_main_process:  # Accelerate starts no tracker on the others
         return
@@ -162,8 +159,7 @@ def _wandb_init(accelerator, output_dir: Path, progress, name, tags, group) -> t
         accelerator.print(f"wandb: starting its run online (a server that does not answer costs "
                           f"{os.environ.get('WANDB_INIT_TIMEOUT', START_TIMEOUT)} s, then training "
                           f"goes on without it)")
-    init.update({key: value for key, value in {"name": name, "tags": tags, "group": group}.items()
-                 if value})
+    init |= {k: v for k, v in {"name": name, "tags": tags, "group": group}.items() if v}
     return init, offline
 
 
@@ -213,8 +209,7 @@ def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
 
 
 def track(accelerator, values: dict, step: int) -> None:
-    """Log ``values`` at the global optimizer ``step`` (main process); lists become key/0,
-    key/1..."""
+    """Log ``values`` at the global optimizer ``step`` (main process); lists as key/0, key/1..."""
     flat = {}
     for key, value in values.items():
         if isinstance(value, (list, tuple)):
@@ -314,10 +309,9 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
 
 class EpochMeter:
     """One epoch's figures for its log line and metrics.jsonl: the training loss, the time, images
-    per second, the share of the time spent waiting for batches (``wait``, a DataWait) and each
-    GPU's utilisation (common.observe.utilisation): of ``gpus`` (DataParallel's), else of the
-    training device if it is one. The loss is summed on the device and read once, at the end of
-    the epoch."""
+    per second, the share of it spent waiting for batches (``wait``, a DataWait) and each GPU's
+    utilisation (common.observe.utilisation): of ``gpus`` (DataParallel's), else of the training
+    device if it is one. The loss is summed on the device and read once, at the epoch's end."""
 
     def __init__(self, device: torch.device, batch_size: int, gpus: list | None = None):
         self.device, self.batch_size, self.wait = device, batch_size, DataWait(device)
@@ -337,9 +331,8 @@ class EpochMeter:
         self.steps += 1
 
     def figures(self, loss_sum: torch.Tensor | None = None) -> dict:
-        """train_loss, epoch_time_s, img_per_s and data_wait_frac of the epoch so far. ``loss_sum``
-        replaces this process's sum (DDP: the mean over processes). Waits for the device first, so
-        the time is true."""
+        """train_loss, epoch_time_s, img_per_s and data_wait_frac so far. ``loss_sum`` replaces this
+        process's sum (DDP: the processes' mean). Waits for the device first: the time is true."""
         train_loss = (self.loss_sum if loss_sum is None else loss_sum).item() / self.steps
         seconds = time.perf_counter() - self.began
         return {"train_loss": train_loss, "epoch_time_s": seconds,

@@ -16,10 +16,9 @@ from accelerate.state import PartialState
 from common.errors import UserError
 from common.failures import ignore_the_launchers_stop, refused_together
 
-# NCCL shares a GPU between processes from 2.30 on, when asked with NCCL_MULTI_RANK_GPU_ENABLE=1
-# (NCCL's src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set
-# NCCL_MULTI_RANK_GPU_ENABLE=1 ..."); older NCCL refuses ("Duplicate GPU detected",
-# NVIDIA/nccl#103).
+# NCCL shares a GPU among processes from 2.30 on, when asked (NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL's
+# src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1
+# ..."); older NCCL refuses ("Duplicate GPU detected", NVIDIA/nccl#103).
 NCCL_SHARES_GPUS = (2, 30, 0)
 # Seconds a node's other processes wait before they exit with its refusal, so that its first
 # process, which says why, is not stopped by the launcher before it has (nothing syncs them yet)
@@ -51,12 +50,11 @@ def plan_gpu_sharing(share: str | None, processes: int, gpus: int,
     """How ``processes`` sit on a node of ``gpus`` GPUs: the processes on the busiest GPU (0: no
     GPU, 1: a GPU each) and the process group's backend to ask Accelerate for (None: its default,
     NCCL on GPUs, gloo on CPUs). One per GPU, or with --share-gpus ``share`` (auto, nccl, gloo)
-    several per GPU over NCCL (version ``nccl``) where it can share, else gloo.
-    Without --share-gpus more processes than GPUs is refused: it is a launch meant for another
-    machine (8gpu.yaml on 4 GPUs), where NCCL would fail at its first collective ("Duplicate GPU
-    detected") or, from 2.30, share the GPUs without a word. ``refuse_gloo(nccl, gpus)``, given by
-    a script whose processes share a GPU over NCCL only (FSDP2's, common.parallel.fsdp), refuses
-    gloo."""
+    several per GPU over NCCL (version ``nccl``) where it can share, else gloo. Without --share-gpus
+    more processes than GPUs is refused: it is a launch meant for another machine (8gpu.yaml on 4
+    GPUs), where NCCL would fail at its first collective ("Duplicate GPU detected") or, from 2.30,
+    share the GPUs without a word. ``refuse_gloo(nccl, gpus)``, given by a script whose processes
+    share a GPU over NCCL only (FSDP2's, common.parallel.fsdp), refuses gloo."""
     if not gpus:  # the CPU: gloo, as without the flag (named when asked, as on GPUs)
         if share == "nccl":
             raise UserError("--share-gpus nccl: no GPU here, and NCCL reduces GPU tensors only: "

@@ -51,9 +51,8 @@ class Stop:
 
 
 class StepGuard:
-    """What every process must decide together after each optimizer step, without making the host
-    wait for the device every step: a NaN or infinite loss stops the run, a stop signal stops it
-    after a checkpoint.
+    """What every process must decide together after each optimizer step, without the host waiting
+    for the device each step: a non-finite loss stops the run; a stop signal, after a checkpoint.
 
     ``check`` sums, over processes, the step's loss (non-finite if any part is) and the number of
     processes that got a stop signal (``install_signal_handlers``), so every process gets the same
@@ -89,8 +88,7 @@ class StepGuard:
 
     def check(self, loss: torch.Tensor, step: int, now: bool = False) -> Stop | None:
         """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees
-        on, or None to go on. ``now``: read this step's numbers before returning (it is to be
-        saved)."""
+        on, or None to go on. ``now``: read this step's numbers at once (it is to be saved)."""
         total = loss.float()  # detached already: the sum of the micro-batches' detached losses
         if self.accelerator.num_processes > 1:  # one all-reduce of [loss, processes signalled]
             signalled = torch.full_like(total, float(self.received is not None))  # a fill, no copy
@@ -108,9 +106,8 @@ class StepGuard:
         return self.stop
 
     def signalled(self) -> Stop | None:
-        """The Stop for a signal that reached any process since the last step, asked of all of them
-        at once (it waits for the device): at the end of an epoch, for one that came during
-        evaluation."""
+        """The Stop for a signal that reached any process since the last step, asked of all at once
+        (it waits for the device): at an epoch's end, for one that came during evaluation."""
         self.flush()
         flag = torch.tensor(float(self.received is not None), device=self.accelerator.device)
         if self.accelerator.reduce(flag, "sum") > 0:

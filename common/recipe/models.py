@@ -9,7 +9,6 @@
   googlenet and inception_v3 without their auxiliary classifiers. One that cannot take the data's
   image size (the ViTs take 224 px only, inception_v3 75 px and more) is refused when built, with
   the size it needs, before a run writes anything.
-
 - ``timm:NAME``: any timm model (``timm.list_models()``), e.g. ``timm:resnet50`` or, with a
   pretrained tag, ``timm:resnet50.a1_in1k``: the ImageNet-stem models people fine-tune.
 
@@ -37,8 +36,7 @@ _BLOCKS_PER_STAGE = {"resnet20": 3, "resnet32": 5, "resnet56": 9}  # depth = 6n 
 
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions plus the option-A shortcut: identity, or on downsampling every second
-    pixel with the new channels zero-filled, so the shortcut has no parameters (He et al. 3.3,
-    4.2)."""
+    pixel with the new channels zero-filled, so it has no parameters (He et al. 3.3, 4.2)."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int):
         super().__init__()
@@ -50,12 +48,10 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
-        shortcut = x
-        if self.stride > 1 or self.extra_channels:
-            subsampled = x[:, :, :: self.stride, :: self.stride]
+        if self.stride > 1 or self.extra_channels:  # the shortcut: x, subsampled and padded
             # F.pad's pairs run from the last dimension back (W, H, C): zero channels go at the end.
-            shortcut = F.pad(subsampled, (0, 0, 0, 0, 0, self.extra_channels))
-        return F.relu(out + shortcut)
+            x = F.pad(x[:, :, :: self.stride, :: self.stride], (0, 0, 0, 0, 0, self.extra_channels))
+        return F.relu(out + x)
 
 
 class CifarResNet(nn.Module):
@@ -119,8 +115,7 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
     if name in _CIFAR_STEM:
         model = _torchvision_model(name, num_classes)
         # The ImageNet stem (7x7 stride 2, then max pool) shrinks 32x32 to 8x8 before the first
-        # block, leaving 1x1 maps in the last stage; the CIFAR stem keeps 32x32
-        # (kuangliu/pytorch-cifar).
+        # block, 1x1 maps in the last stage; the CIFAR stem keeps 32x32 (kuangliu/pytorch-cifar).
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         # The same init torchvision's ResNet gives every other convolution.
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
@@ -224,9 +219,8 @@ def _check_image_size(probe: nn.Module, name: str, num_classes: int, size: int) 
     # fails in the models that take a range of sizes (inception_v3, alexnet, convnext ...), and
     # another than the one it was built for in those made for one (the ViTs, maxvit).
     smallest = _bisect(probe, num_classes, 7, REFERENCE_SIZE)
-    largest = None
-    if _cannot_train(probe, num_classes, 2 * REFERENCE_SIZE):
-        largest = _bisect(probe, num_classes, REFERENCE_SIZE, 2 * REFERENCE_SIZE) - 1
+    largest = (_bisect(probe, num_classes, REFERENCE_SIZE, 2 * REFERENCE_SIZE) - 1
+               if _cannot_train(probe, num_classes, 2 * REFERENCE_SIZE) else None)
     if smallest == largest:
         what, fix = f"takes {smallest}x{smallest} images only", f"{smallest}"
     elif largest is not None:
@@ -245,10 +239,8 @@ def _bisect(probe: nn.Module, num_classes: int, low: int, high: int) -> int:
     taken_high = _cannot_train(probe, num_classes, high) is None
     while high - low > 1:
         middle = (low + high) // 2
-        if (_cannot_train(probe, num_classes, middle) is None) == taken_high:
-            high = middle
-        else:
-            low = middle
+        same = (_cannot_train(probe, num_classes, middle) is None) == taken_high
+        low, high = (low, middle) if same else (middle, high)
     return high
 
 
