@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import (ROOT, Forked, Payload, Processes, assert_same_weights, bad_ends, plant, run, tmpfs, tree_digest,
-                     two_processes, user_env, weights, worker_lines)
+from helpers import (ROOT, Forked, Payload, Processes, assert_same_weights, bad_ends, execute, plant, run, tmpfs,
+                     tree_digest, two_processes, user_env, weights, worker_lines)
 from safetensors.torch import load_file, save_file
 
 from common.run.checkpoints import checkpoint_problem, save_checkpoint
@@ -534,6 +534,33 @@ def test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given(ddp_base
     assert resumes == [str(ddp_base / "checkpoints" / step(2)), str(restarted_from)], stdout[-3000:]
     assert "already holds" not in stderr
     assert_same_weights(new, ddp_base)
+
+
+SHARED_STORE = ("error: a restartable launch whose processes share the launcher's store can hang in its restart: "
+                "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and a c10d rendezvous (--rdzv_backend c10d), as make "
+                "ddp does")
+
+
+@pytest.mark.parametrize("launcher", ["accelerate launch, static", "torchrun --standalone"])
+def test_a_restartable_launch_that_shares_the_launchers_store_is_refused_and_the_advice_trains(launcher, tmp_path):
+    """--max_restarts where the workers share the launcher's store (TORCHELASTIC_USE_AGENT_STORE: a static
+    rendezvous always, a c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), whose restart can hang in
+    Accelerator(): refused at each start (the launch and its one restart) in one line, nothing written; the
+    launch as the line says, static rendezvous and all, trains to its done line."""
+    command = ((*DDP, "--max_restarts", "1") if launcher.startswith("accelerate") else
+               (str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"))
+    out = tmp_path / "run"
+    env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache"))
+    refused = execute([*command, ROOT / "scripts" / "train_ddp.py", *FLAGS, "--output-dir", out], cwd=tmp_path,
+                      env=env, timeout=300)
+    assert refused.returncode != 0 and diagnostics(worker_lines(refused.stderr)) == [SHARED_STORE], refused.stderr
+    assert refused.stderr.count(SHARED_STORE) == 2 and not out.exists()
+    if launcher.startswith("torchrun"):
+        return
+    advised = (*command, "--rdzv_backend", "c10d")  # PET_STANDALONE: a rendezvous port of its own
+    done = execute([*advised, ROOT / "scripts" / "train_ddp.py", *FLAGS, "--output-dir", out], cwd=tmp_path,
+                   env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_STANDALONE": "1"}, timeout=300)
+    assert done.returncode == 0 and "done: step 8" in done.stdout, done.stderr
 
 
 def test_a_job_refused_at_its_start_is_refused_again_after_its_restart(ddp_base, tmp_path):

@@ -95,7 +95,8 @@ def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
     outnumber GPUs: with ACCELERATE_BYPASS_DEVICE_MAP=true it passes none, and DDP uses the device
     the model is on (its own GPU, local rank % GPUs). Accelerate's barrier is put on this process's
     GPU (_wait_on_own_gpu). NCCL shares a GPU if NCCL_MULTI_RANK_GPU_ENABLE=1 (unless set).
-    NCCL's errors reach the main thread (TORCH_NCCL_ASYNC_ERROR_HANDLING, below)."""
+    NCCL's errors reach the main thread (TORCH_NCCL_ASYNC_ERROR_HANDLING, below). A restartable
+    launch that can hang at its restart is refused here as well (_check_restarts)."""
     # torchrun gives its workers 1 (TearDown) unless set: NCCL's watchdog then aborts the process
     # on a collective's error or timeout (SIGABRT, a C++ dump, the trackers left open), racing the
     # failure watch's grace (common.failures). 2 (CleanUpOnly) aborts the communicators only: the
@@ -103,6 +104,7 @@ def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
     if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read as NCCL's process group is made
     try:
+        _check_restarts()
         per_gpu, backend = plan_gpu_sharing(share, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                             torch.cuda.device_count(), nccl_version(), refuse_gloo)
     except UserError:
@@ -117,6 +119,18 @@ def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
         if backend == "nccl":  # read when NCCL makes its communicator
             os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     return backend
+
+
+def _check_restarts() -> None:
+    """A restartable launch (--max_restarts) whose processes share the launcher's store (a static
+    rendezvous always; a c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts into an
+    Accelerator() that can hang, or fail in "Gloo connectFullMesh": refused before the process
+    group is made, so that the refusal's own restart cannot hang."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UserError("a restartable launch whose processes share the launcher's store can hang "
+                        "in its restart: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and a "
+                        "c10d rendezvous (--rdzv_backend c10d), as make ddp does")
 
 
 def _wait_on_own_gpu(self) -> None:
