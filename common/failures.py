@@ -12,6 +12,7 @@ write) cannot be agreed: ``watch_failures`` makes it end every process within se
 """
 
 import atexit
+import ctypes
 import os
 import re
 import shutil
@@ -21,7 +22,6 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from contextlib import contextmanager, suppress
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -77,8 +77,11 @@ def main_alone(accelerator, name: str, seconds: float):
     finally:
         if main and accelerator.num_processes > 1:
             _store().set(name, "done")  # done or failed: the next collective says which
-    if not main:
-        _store().wait([name], timedelta(seconds=seconds))
+    deadline = time.monotonic() + seconds  # asked in short calls: a long wait would hold the
+    while not main and not _store().check([name]):  # store's client from the watch's thread
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process 0 did not end its {name} in {seconds:g} s")
+        time.sleep(POLL_S / 5)
 
 
 def fail_together(accelerator, message: str) -> None:
@@ -106,6 +109,7 @@ STORE_S = 5.0  # an answer of the store at most: a stopped host never answers, w
 TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
 EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
 HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 _ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
 
 
@@ -118,33 +122,34 @@ def watch_failures(accelerator) -> None:
     stopped) is itself a failure of the job: each process says so and ends. Every process exits 1,
     once, its trackers closed as failed, one process too. A process killed outright (out of memory,
     SIGKILL) posts nothing: the first to lose it in a collective says so in one line. Failures the
-    processes agree on (``fail_together``) and stops (``announce_stop``) end as before. Call it
-    once training starts: it replaces the excepthook."""
+    processes agree on (``fail_together``) and stops (``announce_stop``) end as before. It
+    replaces the excepthook, and asks the kernel for SIGTERM if the launcher dies (`accelerate
+    launch` of one process passes no signal on). Call it as the Accelerator is made, and again
+    once the trackers have started: wandb's service puts its hook around the one it finds."""
     if getattr(sys.excepthook, "watches", False):
+        return
+    previous = _without_wandbs_traceback(sys.excepthook)
+    if getattr(previous, "watches", False):  # this one, inside wandb's: taken back
+        sys.excepthook = previous
         return
     several = getattr(accelerator, "num_processes", 1) > 1
     store, me = _store() if several else None, str(accelerator.process_index)
-    previous = _without_wandbs_traceback(sys.excepthook)
 
     def hook(kind, error, traceback):
         _claim_the_end()
+        line = _fault_line(me, error)
         if store is None or _first(store, me):
             _own_line(accelerator)
-            if _lost_a_process(error):
-                print(f"error: process {me} lost another process of the job in a collective "
-                      f"({_short(error)}): that process ended first; its own output or the "
-                      f"launcher's report says why", file=sys.stderr)
-            elif _timed_out(error):
-                print(f"error: process {me} waited --dist-timeout in a collective for another "
-                      f"process that never came ({_short(error)}): it stalled (a hung read, a "
-                      f"stopped process) or is far slower; raise --dist-timeout only for the "
-                      f"second", file=sys.stderr)
+            if line:
+                print(line, file=sys.stderr)
             else:
                 previous(kind, error, traceback)  # our line (a bad image) or a bug's traceback
-        end_now(accelerator, through_the_store=several and not _lost_a_process(error))
+        end_now(accelerator, through_the_store=several and not (line and "lost" in line))
 
     hook.watches = True
     sys.excepthook = hook
+    with suppress(OSError, AttributeError):  # Linux: SIGTERM to this process if its launcher dies
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if several:
         stop = threading.Event()
         thread = threading.Thread(target=_watch, args=(store, me, accelerator, stop), daemon=True,
@@ -164,6 +169,7 @@ def _without_wandbs_traceback(hook):
     def told(kind, error, traceback):
         wandbs.exit_code = 1
         (wandbs._orig_excepthook or sys.__excepthook__)(kind, error, traceback)  # noqa: SLF001
+    told.watches = getattr(wandbs._orig_excepthook, "watches", False)  # noqa: SLF001
     return told
 
 
@@ -252,10 +258,7 @@ def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
         _claim_the_end()
         if lost is not None:
             _own_line(accelerator)
-            print(f"error: process {me} lost the store through which the job's processes meet "
-                  f"({first_line(lost)}): its host (process 0, or the launcher) ended or stopped, "
-                  f"so the job is failing; that process's output or the launcher's report says "
-                  f"why", file=sys.stderr)
+            print(_lost_the_store(me, lost), file=sys.stderr)
         end_now(accelerator, through_the_store=lost is None)
 
 
@@ -296,6 +299,41 @@ def _exit_handlers() -> None:
 def _clear_progress_bars() -> None:
     for bar in list(getattr(tqdm, "_instances", ())):  # tqdm.auto's bars are tqdm's too
         bar.close()  # leave=False: the line is cleared
+
+
+def _fault_line(me: str, error: BaseException) -> str | None:
+    """The line for a fault that this process ``me`` met by no fault of its code, or None: another
+    process or the store lost, a collective timed out, a DataLoader worker killed, no memory."""
+    said = " ".join(str(e) for e in (error, error.__cause__, error.__context__) if e)
+    worker = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: (\w+)", said) or \
+        re.search(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly()", said)
+    if _lost_a_process(error):
+        return (f"error: process {me} lost another process of the job in a collective "
+                f"({_short(error)}): that process ended first; its own output or the "
+                f"launcher's report says why")
+    if isinstance(error, (torch.distributed.DistNetworkError, torch.distributed.DistStoreError)):
+        return _lost_the_store(me, error)
+    if _timed_out(error):
+        return (f"error: process {me} waited --dist-timeout in a collective for another process "
+                f"that never came ({_short(error)}): it stalled (a hung read, a stopped process) "
+                f"or is far slower; raise --dist-timeout only for the second")
+    if worker:
+        return (f"error: process {me}: its DataLoader worker (pid {worker[1]}) "
+                f"{f'was killed ({worker[2]})' if worker[2] else 'ended'}, as the kernel kills a "
+                f"process when memory runs out: give the job more memory, or pass fewer --workers; "
+                f"then the same command with --resume continues from the last checkpoint")
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in said:
+        return (f"error: process {me} ran out of memory ({first_line(error)}): pass a smaller "
+                f"--batch-size (with --grad-accum N to keep the global batch), or --compile none "
+                f"(CUDA graphs hold memory of their own); then the same command with --resume "
+                f"continues from the last checkpoint")
+    return None
+
+
+def _lost_the_store(me: str, error: BaseException) -> str:
+    return (f"error: process {me} lost the store through which the job's processes meet "
+            f"({first_line(error)}): its host (process 0, or the launcher) ended or stopped, so "
+            f"the job is failing; that process's output or the launcher's report says why")
 
 
 def _lost_a_process(error: BaseException) -> bool:

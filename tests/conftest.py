@@ -66,6 +66,7 @@ OWN_PORTS = {
     "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
     # accelerate launch --num_processes 1 runs the script itself: no rendezvous, no port
     "test_fault_tolerance": {"test_killing_the_launcher_of_one_process_stops_the_training_process_with_a_checkpoint"},
+    "test_fail_together": {"test_a_node_killed_during_start_up_ends_the_other_node_with_one_line"},  # a free port
     "test_faults_checkpoints": {"test_a_restart_continues_elsewhere_from_the_checkpoint_it_was_given",
                                 "test_a_job_refused_at_its_start_is_refused_again_after_its_restart"},
 }

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, Processes, image_folder, tmpfs, wandb_runs
+from helpers import (ROOT, Forked, Processes, bad_ends, free_port, image_folder, tmpfs, user_env, wandb_runs,
+                     worker_lines)
+from test_workers import children
 from wandb_records import offline_run
 
 FOLDER = ["--image-size", "32", "--model", "resnet20", "--batch-size", "8", "--epochs", "1", "--loader",
@@ -333,3 +335,54 @@ def test_tracker_servers_that_do_not_answer_cost_their_bounds_and_one_warning_ea
     assert all(warning.endswith("); training goes on without tracking") for warning in warnings), warnings
     assert "done: step 4" in job.stdout(0) and lines(job.stderr(1)) == []
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_a_killed_dataloader_worker_ends_both_with_one_line_that_says_it_may_be_memory(folder, tmp_path):
+    """SIGKILL, as the out-of-memory killer sends it, to process 1's DataLoader worker mid-training: one line
+    from process 1 naming the worker and what kills that way, both processes exit 1, no traceback."""
+    job = Processes("train_ddp.py", "--data-dir", folder, *FOLDER, "--output-dir", tmp_path / "run", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not (workers := children(job.procs[1].pid)) or "epoch 1/1:" not in job.stderr(0):
+        assert time.monotonic() < deadline and job.procs[1].poll() is None, job.output()
+        time.sleep(0.1)
+    os.kill(workers[0], signal.SIGKILL)
+    [line] = ended_as_one(job, failed=1)
+    assert re.fullmatch(rf"error: process 1: its DataLoader worker \(pid {workers[0]}\) was killed \(Killed\), as the "
+                        r"kernel kills a process when memory runs out: give the job more memory, or pass fewer "
+                        r"--workers; then the same command with --resume continues from the last checkpoint", line), line
+
+
+def test_a_node_killed_during_start_up_ends_the_other_node_with_one_line(tmp_path):
+    """Two torchrun nodes of one process each (a c10d rendezvous on this machine); node 1's process
+    SIGKILLed as it starts to load its data, after the process group is made (tests/probe_startup.py):
+    node 0's process meets it in start-up's next collective and says so in one line, exit 1, no traceback
+    of its own; both launchers end, neither hangs."""
+    port, out = free_port(), tmp_path / "run"
+    env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(tmp_path / ".cache"))
+    nodes = [Forked([Path(sys.executable).parent / "torchrun", "--nnodes", "2", "--nproc-per-node", "1",
+                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", rank,
+                     ROOT / "tests" / "probe_startup.py", ROOT / "scripts" / "train_ddp.py", "--dataset", "synthetic",
+                     "--model", "resnet20", "--batch-size", "16", "--epochs", "1", "--report-to", "none",
+                     "--output-dir", out], tmp_path, env, merged=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [1, 1], "\n".join(outputs)
+    said = lines(worker_lines(outputs[0]))
+    assert len(said) == 1 and re.fullmatch(r"error: process 0 lost another process of the job in a collective "
+                                           r"\(.+\): that process ended first; its own output or the launcher's "
+                                           r"report says why", said[0]), outputs[0]
+    assert bad_ends(outputs[0]) == [], outputs[0]
+    assert "exitcode: -9" in outputs[1] and lines(worker_lines(outputs[1])) == [], outputs[1]
+
+
+def test_a_process_out_of_memory_ends_both_with_one_line(tmp_path):
+    """Process 1's third step asks the allocator for more memory than there is (tests/probe_oom.py: a real
+    refusal of torch's CPU allocator): one line from process 1 with what to lower, both exit 1, no traceback."""
+    job = Processes(ROOT / "tests" / "probe_oom.py", ROOT / "scripts" / "train_ddp.py", "--dataset", "synthetic",
+                    "--synthetic-train-size", "256", "--synthetic-test-size", "32", "--model", "resnet20",
+                    "--batch-size", "16", "--epochs", "1", "--report-to", "none", "--output-dir", tmp_path / "run",
+                    cwd=tmp_path)
+    [line] = ended_as_one(job, failed=1)
+    assert re.fullmatch(r"error: process 1 ran out of memory \(RuntimeError: .*DefaultCPUAllocator: can't allocate "
+                        r"memory: .*\): pass a smaller --batch-size \(with --grad-accum N to keep the global batch\), "
+                        r"or --compile none \(CUDA graphs hold memory of their own\); then the same command with "
+                        r"--resume continues from the last checkpoint", line), line

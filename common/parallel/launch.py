@@ -14,7 +14,7 @@ import torch
 from accelerate.state import PartialState
 
 from common.errors import UserError
-from common.failures import ignore_the_launchers_stop, refused_together
+from common.failures import ignore_the_launchers_stop, refused_together, watch_failures
 
 # NCCL shares a GPU among processes from 2.30 on, when asked (NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL's
 # src/init.cc: "Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1
@@ -203,8 +203,11 @@ def check_sync_bn(sync_bn: bool, device: torch.device) -> None:
 
 
 def check_launch(accelerator, batch_size: int, grad_accum: int, sync_bn: bool = False) -> None:
-    """A DDP launch checked (check_world_size, check_batch_split, check_sync_bn), each refusal
-    said once. A collective: every process must call it."""
+    """A DDP launch watched from its first collective on (a fault anywhere in start-up, training or
+    teardown is one line on every process: common.failures.watch_failures) and checked
+    (check_world_size, check_batch_split, check_sync_bn), each refusal said once. A collective:
+    every process must call it, right after Accelerator()."""
+    watch_failures(accelerator)
     check_world_size(accelerator)
     refused_together(accelerator, check_batch_split, batch_size, accelerator.num_processes,
                      "processes", grad_accum)  # one line, not one per process

@@ -5,13 +5,11 @@ exits STOPPED_EXIT_CODE after a stop signal, and exits 1 without saving after a 
 in fp16, a run of skipped steps (common.parallel.amp). ``announce_stop`` says which, in one line.
 """
 
-import ctypes
 import dataclasses
 import math
 import os
 import signal
 import sys
-from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -29,7 +27,6 @@ DIVERGED_EXIT_CODE = 1
 # A loss this many times the first one read has blown up: the checkpoints written from that step on
 # hold weights that a lower --lr cannot bring back, and the advice after a NaN passes them over.
 GROWN = 10
-_PR_SET_PDEATHSIG = 1
 # A launcher that says how its processes ended names a folder here: torchrun exits 1 whether they
 # failed or stopped with a checkpoint, and a Kubernetes policy reads only the pod's exit status
 # (accelerate_configs/kubernetes/torchrun_pod.py). A process that stopped with its checkpoint
@@ -73,14 +70,12 @@ class StepGuard:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM, SIGUSR1, SIGINT (Ctrl-C: no KeyboardInterrupt) and SIGHUP set a flag that
-        ``check`` reads (the step in progress finishes), and the kernel sends this process SIGTERM
-        when its launcher dies (PR_SET_PDEATHSIG): `accelerate launch` of one process passes no
-        signal on. An exception that one process meets alone ends every process within seconds
-        (common.failures.watch_failures). Main thread of a training process only."""
+        ``check`` reads (the step in progress finishes). An exception that one process meets alone
+        ends every process within seconds, and the kernel sends this process SIGTERM when its
+        launcher dies (common.failures.watch_failures: from check_launch on, under a launcher of
+        several processes). Main thread of a training process only."""
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._on_signal)
-        with suppress(OSError, AttributeError):  # not Linux
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         watch_failures(self.accelerator)
 
     def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
