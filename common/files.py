@@ -51,8 +51,7 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError as error:
-        # some network and FUSE filesystems cannot sync a folder; their renames stand
+    except OSError as error:  # some network and FUSE filesystems cannot: their renames stand
         if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
     finally:

@@ -42,13 +42,11 @@ def decode_source(source: ImageSource, image_size: int | None, skip_bad: bool = 
                     source.source, size, size)
     train_images, train_labels, left_out = decode_split(source.train, size, skip_bad, interpolation)
     if source.test is None:  # to be carved from train (--val-fraction)
-        test_images = torch.empty(0, 3, size, size, dtype=torch.uint8)
-        test_labels = torch.empty(0, dtype=torch.int64)
+        test = torch.empty(0, 3, size, size, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
     else:
-        test_images, test_labels, _ = decode_split(source.test, size, skip_bad, interpolation)
-    skipped = torch.stack([left_out, source.train.labels[left_out]], dim=1)
-    return ImageData(train_images, train_labels, test_images, test_labels, classes=source.classes,
-                     source=source.source, skipped=skipped)
+        test = decode_split(source.test, size, skip_bad, interpolation)[:2]
+    return ImageData(train_images, train_labels, *test, source.classes, source.source,
+                     skipped=torch.stack([left_out, source.train.labels[left_out]], dim=1))
 
 
 def decode_split(split, size: int, skip_bad: bool = False, interpolation: str = "bilinear"

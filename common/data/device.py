@@ -18,31 +18,24 @@ DEVICE_DATA_SHARE = 0.5
 
 def on_device(data, device: torch.device):
     """``data`` (common.data.splits.ImageData) with its tensors on ``device``, where the loader
-    indexes them; the host copy is no longer referenced and is freed (a cache loaded with mmap=True
-    only ever mapped it).
-
-    A dataset that would take more than DEVICE_DATA_SHARE of the free memory of the GPU is refused
-    with its size, instead of a CUDA out-of-memory error now or at the first step.
-    """
+    indexes them; the host copy, no longer referenced, is freed (a cache loaded with mmap=True only
+    ever mapped it). A dataset that would take more than DEVICE_DATA_SHARE of the GPU's free memory
+    is refused with its size, instead of a CUDA out-of-memory error now or at the first step."""
     tensors = ("train_images", "train_labels", "test_images", "test_labels")
-    if device.type == "cuda":
-        size = sum(getattr(data, name).nbytes for name in tensors)
-        free, _ = torch.cuda.mem_get_info(device)
-        if size > DEVICE_DATA_SHARE * free:
-            raise UserError(
-                f"the decoded dataset takes {size / 1e9:.1f} GB, and this template keeps it on "
-                f"every GPU: more than {DEVICE_DATA_SHARE:.0%} of the {free / 1e9:.1f} GB free on "
-                f"{device}; train on fewer or smaller images, or on GPUs with more free memory")
+    size = sum(getattr(data, name).nbytes for name in tensors)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+    if size > DEVICE_DATA_SHARE * free:
+        raise UserError(
+            f"the decoded dataset takes {size / 1e9:.1f} GB, and this template keeps it on every "
+            f"GPU: more than {DEVICE_DATA_SHARE:.0%} of the {free / 1e9:.1f} GB free on {device}; "
+            f"train on fewer or smaller images, or on GPUs with more free memory")
     return dataclasses.replace(data, **{name: getattr(data, name).to(device) for name in tensors})
 
 
 class TensorImages(Dataset):
-    """Images and labels held as two tensors, on the CPU or already on the training device.
-
-    ``__getitems__`` lets the DataLoader fetch a whole batch with one index instead of stacking
-    one sample at a time (torch.utils.data's batched fetch), which is what makes a tensor-held
-    dataset fast.
-    """
+    """Images and labels held as two tensors, on the CPU or already on the training device:
+    ``__getitems__`` lets the DataLoader fetch a whole batch with one index instead of stacking one
+    sample at a time (torch.utils.data's batched fetch), which is what makes it fast."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         self.images, self.labels = images, labels
@@ -63,11 +56,9 @@ class TensorImages(Dataset):
 
 
 def tensor_loader(images, labels, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
-    """A DataLoader over tensors; training loaders drop the last partial batch.
-
-    The loader gets its own generator: one without it draws its seed from the global RNG, which
-    would make a resumed run shuffle differently from an uninterrupted one.
-    """
+    """A DataLoader over tensors; training loaders drop the last partial batch. It gets its own
+    generator: one without draws its seed from the global RNG, which would make a resumed run
+    shuffle differently from an uninterrupted one."""
     return DataLoader(TensorImages(images, labels), batch_size=batch_size, shuffle=shuffle,
                       drop_last=shuffle, collate_fn=lambda batch: batch,  # __getitems__ stacked it
                       generator=torch.Generator().manual_seed(seed))

@@ -12,14 +12,14 @@ from unittest.mock import patch
 import numpy as np
 import torch
 
-from common.data.splits import EVAL_SPLITS, ImageSource
+from common.data.splits import EVAL_SPLITS, ImageSource, Split
 from common.errors import UserError, first_line
 
 # The Hub repository of a --dataset: uoft-cs/... for cifar10 and cifar100, else the name itself
 HUB_REPOS = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
 
 
-class ArrowSplit:
+class ArrowSplit(Split):
     """A split of a `datasets.Dataset`, memory-mapped Arrow: the image column holds each file's
     encoded bytes (or its path), read a row at a time, never decoded by `datasets`."""
 
@@ -29,9 +29,6 @@ class ArrowSplit:
         self.table = table.select_columns([column]).cast_column(
             column, datasets.Image(decode=False))
         self.column, self.labels, self.where = column, labels, where
-
-    def __len__(self):
-        return len(self.labels)
 
     def encoded(self, i: int):
         cell = self.table[i][self.column]
@@ -47,21 +44,18 @@ class ArrowSplit:
         return part
 
     def all_encoded(self, chunk: int = 1024):
-        """Every row's bytes in order, read a chunk at a time (a row at a time costs ~50 us
-        each)."""
+        """Each row's bytes in order, read a chunk at a time (a row at a time costs ~50 us each)."""
         for batch in self.table.with_format("arrow").iter(batch_size=chunk):
             for cell in batch[self.column].to_pylist():
                 yield cell["bytes"] or cell["path"]
 
 
 def from_hf(splits, source: str, fallback_names: list[str] | None = None) -> ImageSource:
-    """The train split and the evaluation split of a `datasets.DatasetDict`, undecoded.
-
-    The image column is the first Image feature (or, in parquet written without `datasets`
-    metadata, a {bytes, path} struct); the label column is label, labels, fine_label or the first
-    ClassLabel of the train split. The evaluation split is the first of EVAL_SPLITS whose labels
-    are set (the Hub marks an unlabelled test split with -1).
-    """
+    """The train and evaluation splits of a `datasets.DatasetDict`, undecoded. The image column is
+    the first Image feature (or, in parquet written without `datasets` metadata, a {bytes, path}
+    struct); the label column is label, labels, fine_label or the first ClassLabel of the train
+    split. The evaluation split is the first of EVAL_SPLITS whose labels are set (the Hub marks an
+    unlabelled test split with -1)."""
     import datasets
 
     if "train" not in splits:

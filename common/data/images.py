@@ -22,8 +22,7 @@ from common.errors import first_line
 
 # The interpolations the input paths resize with: bilinear, unless pretrained weights say bicubic
 # (timm's ResNets). Antialiased, torchvision's bicubic is PIL's (Keys' a = -0.5), as timm trained.
-INTERPOLATIONS = {"bilinear": v2.InterpolationMode.BILINEAR,
-                  "bicubic": v2.InterpolationMode.BICUBIC}
+INTERPOLATIONS = {name: v2.InterpolationMode[name.upper()] for name in ("bilinear", "bicubic")}
 
 
 class BadImage(Exception):
@@ -33,10 +32,8 @@ class BadImage(Exception):
 
 
 def decode(encoded, name: str) -> torch.Tensor:
-    """An image as uint8 RGB (3, H, W), from file bytes, a file path or an already decoded tensor.
-
-    Grayscale, palette and CMYK images are converted to RGB; an alpha channel is dropped.
-    """
+    """An image as uint8 RGB (3, H, W), from file bytes, a file path or an already decoded tensor;
+    grayscale, palette and CMYK images are converted to RGB, an alpha channel is dropped."""
     if isinstance(encoded, torch.Tensor):
         return encoded
     if isinstance(encoded, (str, os.PathLike)):
@@ -61,8 +58,7 @@ def decode(encoded, name: str) -> torch.Tensor:
 
 def fit(image: torch.Tensor, size: int, interpolation: str = "bilinear") -> torch.Tensor:
     """Resize the shorter side to ``size`` with ``interpolation`` (of INTERPOLATIONS) and crop the
-    centre square: the evaluation view. An image that is already size x size is returned as it
-    is."""
+    centre square: the evaluation view. An image already size x size is returned as it is."""
     if image.shape[-2:] == (size, size):
         return image
     image = v2.functional.resize(image, size, INTERPOLATIONS[interpolation], antialias=True)

@@ -59,12 +59,9 @@ def cache_folder(cache_dir: str | None) -> Path:
         if not os.access(folder, os.W_OK | os.X_OK):  # root too: a read-only file system's EROFS
             raise PermissionError(f"no write permission in {folder}")
     except OSError as e:
-        if cache_dir:
-            where = f"--cache-dir {cache_dir}"
-        elif os.environ.get("CIFAR_CACHE_DIR"):
-            where = f"the cache folder {folder} (CIFAR_CACHE_DIR)"
-        else:
-            where = f"the default cache folder {folder}"
+        where = (f"--cache-dir {cache_dir}" if cache_dir
+                 else f"the cache folder {folder} (CIFAR_CACHE_DIR)"
+                 if os.environ.get("CIFAR_CACHE_DIR") else f"the default cache folder {folder}")
         raise UserError(f"{where} cannot be written in ({first_line(e)}); pass --cache-dir DIR or "
                         f"set CIFAR_CACHE_DIR to a folder you can write in") from None
     return folder

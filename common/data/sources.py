@@ -74,9 +74,7 @@ def stratified_split(labels: torch.Tensor, fraction: float,
         take = min(len(members) - 1, max(1, round(fraction * len(members))))
         held.append(members[torch.randperm(len(members), generator=gen)[:take]])
     evaluation = torch.cat(held).sort().values
-    keep = torch.ones(len(labels), dtype=torch.bool)
-    keep[evaluation] = False
-    return keep.nonzero().flatten(), evaluation
+    return (~torch.isin(torch.arange(len(labels)), evaluation)).nonzero().flatten(), evaluation
 
 
 def _carved(source: str, fraction: float, seed: int) -> str:
@@ -106,8 +104,7 @@ def carved_positions(data: ImageData, fraction: float,
     the workers path, then as positions among the images decoded: an image skipped as unreadable
     is missing from its side of the split, and the rest are the same images on both paths."""
     index, skipped_labels = data.skipped.T
-    kept = torch.ones(len(data.train_labels) + len(index), dtype=torch.bool)
-    kept[index] = False
+    kept = ~torch.isin(torch.arange(len(data.train_labels) + len(index)), index)
     labels = torch.empty(len(kept), dtype=torch.int64)
     labels[kept], labels[index] = data.train_labels, skipped_labels
     position = kept.cumsum(0) - 1  # of each source image among the decoded ones

@@ -33,7 +33,14 @@ class ImageData:
         default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
 
 
-class FileSplit:
+class Split:
+    """What the undecoded splits share: as many items as labels."""
+
+    def __len__(self):
+        return len(self.labels)
+
+
+class FileSplit(Split):
     """Image files and their labels."""
 
     def __init__(self, paths, labels: torch.Tensor):
@@ -44,9 +51,6 @@ class FileSplit:
             paths = np.array([os.fsencode(p) for p in paths])
         self.paths, self.labels = paths, labels
 
-    def __len__(self):
-        return len(self.labels)
-
     def name(self, i: int) -> str:
         return os.fsdecode(self.paths[i])
 
@@ -56,14 +60,11 @@ class FileSplit:
         return FileSplit(self.paths[indices.numpy()], self.labels[indices])
 
 
-class TensorSplit:
+class TensorSplit(Split):
     """Images already decoded into a uint8 (N, 3, H, W) tensor (CIFAR's pickles, synthetic data)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, where: str):
         self.images, self.labels, self.where = images, labels, where
-
-    def __len__(self):
-        return len(self.labels)
 
     def encoded(self, i: int):
         return self.images[i]
@@ -97,9 +98,7 @@ def checked(source: ImageSource, carving: bool = False) -> ImageSource:
         if len(split) == 0:
             raise UserError(f"the {split_name} split of {source.source} is empty; provide a "
                             f"{split_name} split with images")
-        labels = split.labels
-        bad = labels[(labels < 0) | (labels >= len(source.classes))]
-        if len(bad):
+        if len(bad := split.labels[(split.labels < 0) | (split.labels >= len(source.classes))]):
             names = ", ".join(source.classes[:5])
             raise UserError(f"{source.source} has {split_name} label {bad[0].item()} but "
                             f"{len(source.classes)} class names ({names}...); "

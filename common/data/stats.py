@@ -4,6 +4,8 @@ Each dataset gets its own normalisation: BatchTransform (common.data.transform) 
 mean and divides by the std that these return, in the 0..255 scale.
 """
 
+from contextlib import suppress
+
 import torch
 
 from common.data.images import BadImage, decode, fit
@@ -14,25 +16,21 @@ STATS_SAMPLE = 1000  # images the normalisation of the workers path is estimated
 
 
 def channel_stats(images, chunk_bytes: int = 2**27):
-    """Per-channel mean and standard deviation of uint8 images, in the 0..255 scale.
-
-    ``images``: one (N, C, H, W) tensor, summed 128 MB of float64 at a time whatever the image size,
-    or an iterable of (C, H, W) images or (N, C, H, W) batches, summed as they come, so that none
-    has to be held beside the others. Raises ValueError when there is no image.
-    """
+    """Per-channel mean and standard deviation of uint8 images, in the 0..255 scale. ``images``: one
+    (N, C, H, W) tensor, summed 128 MB of float64 at a time whatever the image size, or an iterable
+    of (C, H, W) images or (N, C, H, W) batches, summed as they come, so that none has to be held
+    beside the others. Raises ValueError when there is no image."""
     parts = images
     if isinstance(images, torch.Tensor):
         if images.ndim != 4:
             raise ValueError(f"channel_stats: a tensor of images is (N, C, H, W), not "
                              f"{tuple(images.shape)}")
-        chunk = max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1
-        parts = images.split(chunk)
+        parts = images.split(max(1, chunk_bytes // (8 * images[0].numel())) if len(images) else 1)
     total = total_sq = count = 0
     for part in parts:
         part = part.to(torch.float64)
         dims = (0, 2, 3) if part.ndim == 4 else (1, 2)
-        total = total + part.sum(dim=dims)
-        total_sq = total_sq + part.square().sum(dim=dims)
+        total, total_sq = total + part.sum(dim=dims), total_sq + part.square().sum(dim=dims)
         count += part.numel() / part.shape[-3]
     if not count:
         raise ValueError("channel_stats: no images")
@@ -51,10 +49,8 @@ def sample_stats(split, size: int, sample: int = STATS_SAMPLE,
 
     def fitted():
         for i in picks:
-            try:
+            with suppress(BadImage):  # the loader reports it, or skips it (--bad-images)
                 yield fit(decode(split.encoded(i), split.name(i)), size, interpolation)
-            except BadImage:
-                continue  # the loader reports it, or skips it (--bad-images)
     try:
         if isinstance(split, TensorSplit) and split.images.shape[-2:] == (size, size):
             return channel_stats(split.images)  # as the device path computes them

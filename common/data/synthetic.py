@@ -50,8 +50,7 @@ def _synthetic_split(patterns, size, gen, chunk=8192):
     images = torch.empty(size, channels, side, side, dtype=torch.uint8)
     pixels = torch.arange(side)
     for start in range(0, size, chunk):  # bounds the float32 working memory
-        y = labels[start:start + chunk]
-        n = len(y)
+        n = len(y := labels[start:start + chunk])
         dy, dx = torch.randint(side, (2, n, 1, 1, 1), generator=gen)
         mirror = torch.randint(2, (n, 1, 1, 1), generator=gen) * 2 - 1
         shifted = patterns[y[:, None, None, None], torch.arange(channels)[:, None, None],

@@ -13,46 +13,37 @@ from contextlib import suppress
 
 
 class _Unbreakable(io.TextIOBase):
-    """A text stream that passes writes on until the first one fails, then sends the rest (and
-    what the failed stream still buffers) to /dev/null, so that no later write or flush, at exit
-    included, raises again."""
+    """A text stream that passes writes on until one fails, then sends the rest (and what the failed
+    stream still buffers) to /dev/null: no later write or flush, at exit included, raises again."""
 
     def __init__(self, stream):
         self.stream, self.broken = stream, False
 
     def write(self, text: str) -> int:
-        if not self.broken:
-            try:
-                self.stream.write(text)
-            except OSError:
-                self._give_up()
+        self._pass_on(self.stream.write, text)
         return len(text)
 
     def flush(self) -> None:
-        if not self.broken:
-            try:
-                self.stream.flush()
-            except OSError:
-                self._give_up()
+        self._pass_on(self.stream.flush)
 
-    def _give_up(self) -> None:
-        self.broken = True
-        with suppress(OSError, ValueError):  # its flush at exit then goes to /dev/null, no error
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.stream.fileno())
-            os.close(devnull)
+    def _pass_on(self, call, *args) -> None:
+        if self.broken:
+            return
+        try:
+            call(*args)
+        except OSError:
+            self.broken = True
+            with suppress(OSError, ValueError):  # so its flush at exit goes to /dev/null, no error
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.stream.fileno())
+                os.close(devnull)
 
     def fileno(self) -> int:
         return self.stream.fileno()
 
     # io.TextIOBase answers these itself (None, False): the stream's own answers, for tqdm and wandb
-    @property
-    def encoding(self):
-        return self.stream.encoding
-
-    @property
-    def errors(self):
-        return self.stream.errors
+    encoding = property(lambda self: self.stream.encoding)
+    errors = property(lambda self: self.stream.errors)
 
     def writable(self) -> bool:
         return True

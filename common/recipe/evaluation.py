@@ -19,11 +19,9 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model, loader, transform, accelerator, num_classes: int) -> EvalResult:
-    """Counts correct predictions over the whole test split.
-
-    ``gather_for_metrics`` is called per batch on per-sample tensors: it collects every process's
-    share and drops the samples repeated to pad the last batch, so each image counts exactly once.
-    """
+    """Counts correct predictions over the whole test split. ``gather_for_metrics`` is called per
+    batch on per-sample tensors: it collects every process's share and drops the samples repeated to
+    pad the last batch, so each image counts exactly once."""
     model.eval()
     class_correct = torch.zeros(num_classes, dtype=torch.long, device=accelerator.device)
     class_total = torch.zeros_like(class_correct)

@@ -27,8 +27,7 @@ def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> str:
     """
     keep_freed_memory(device)
     if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-        # the two values deterministic cuBLAS accepts
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS takes it or :16:8
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic

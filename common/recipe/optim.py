@@ -46,9 +46,8 @@ def build_optimizer(model: torch.nn.Module, lr: float, momentum: float, weight_d
     param_groups = [{"params": params, "lr": lr * scale, "lr_scale": scale, "weight_decay": decay}
                     for (scale, decay), params in sorted(groups.items(),
                                                          key=lambda item: item[0][0] != 1.0)]
-    if kind == "adamw":
-        return torch.optim.AdamW(param_groups, lr=lr)
-    return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True)
+    return (torch.optim.AdamW(param_groups, lr=lr) if kind == "adamw"
+            else torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True))
 
 
 def build_scheduler(optimizer, schedule: str, total_steps: int, steps_per_epoch: int,
@@ -89,9 +88,8 @@ def set_peak_lr(optimizer, scheduler, peak_lr: float, say=print) -> None:
         return
     factor = peak_lr / old
     for group in optimizer.param_groups:
-        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
-            if key in group:
-                group[key] *= factor
+        for key in group.keys() & {"lr", "initial_lr", "max_lr", "min_lr"}:
+            group[key] *= factor
     inner = getattr(scheduler, "scheduler", scheduler)  # the one that Accelerate's wrapper steps
     inner.base_lrs = [lr * factor for lr in inner.base_lrs]
     inner._last_lr = [lr * factor for lr in inner.get_last_lr()]  # what get_last_lr() reads

@@ -8,6 +8,7 @@ model.
 import json
 import re
 import warnings
+from contextlib import suppress
 from pathlib import Path
 
 import safetensors.torch  # safetensors too: safe_open
@@ -43,27 +44,21 @@ def read_metadata(path: Path) -> dict:
             stored = f.metadata() or {}
     except Exception:  # noqa: BLE001 - an unreadable file is reported by load_weights
         return {}
-    decoded = {}
     for key, value in stored.items():
-        try:
-            decoded[key] = json.loads(value)
-        except ValueError:
-            decoded[key] = value  # a plain string, e.g. the model name
-    return decoded
+        with suppress(ValueError):  # else a plain string, e.g. the model name
+            stored[key] = json.loads(value)
+    return stored
 
 
 def load_weights(path: Path, flag: str = "--weights") -> dict[str, torch.Tensor]:
     """A state dict from our safetensors or from a torch.save'd file of another script (or library),
-    named by ``flag`` in the one line that refuses a file it cannot read.
-
-    Accepts a plain state dict, one nested under "state_dict" or "model", and keys prefixed with
-    ``module.`` (saved from a DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile).
-    """
+    named by ``flag`` in the one line that refuses a file it cannot read. Accepts a plain state
+    dict, one nested under "state_dict" or "model", and keys prefixed with ``module.`` (saved from a
+    DataParallel/DDP-wrapped model) or ``_orig_mod.`` (torch.compile)."""
     path = Path(path)
     check_file(flag, path, "pass a .safetensors file or a torch.save'd state dict")
     try:
-        with warnings.catch_warnings():  # torch's on a pickle's protocol would be a second line
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):  # torch's on a pickle's protocol: a 2nd line
             state = (safetensors.torch.load_file(str(path)) if path.suffix == ".safetensors"
                      else torch.load(path, map_location="cpu", weights_only=True))
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
@@ -82,10 +77,8 @@ def _plain(error: Exception) -> str:
     lines in terminal colours, advising weights_only=False (which runs the file's code): its one
     telling line, "Unsupported global: GLOBAL __main__.Net ..." (or in torch 2.14, on the lines
     after it, "Unsupported operand 149"), is kept."""
-    text = _ANSI.sub("", str(error))
-    told = re.search(r"WeightsUnpickler error:\s*(\S.*?)(?: was not |\. |[ \t]*$)", text,
-                     re.MULTILINE)
-    if told:
+    if told := re.search(r"WeightsUnpickler error:\s*(\S.*?)(?: was not |\. |[ \t]*$)",
+                         _ANSI.sub("", str(error)), re.MULTILINE):
         return (f"it holds pickled objects, not only tensors: {told[1]}; save model.state_dict() "
                 f"instead")
     return _ANSI.sub("", first_line(error))
@@ -127,11 +120,10 @@ def save_final_weights(accelerator, model, output_dir: Path, config: dict, step:
                        f"one into a new --output-dir (--resume CHECKPOINT --output-dir NEW), or "
                        f"start again")
         else:
-            metadata = {"model": config["args"]["model"], "step": step,
-                        "channels_last": config["args"]["channels_last"],
+            run = config["args"]  # the run's flags
+            metadata = {"model": run["model"], "step": step, "channels_last": run["channels_last"],
                         # --ema-decay: the averaged weights, not the last step's
-                        "weights": (f"ema {config['args']['ema_decay']}"
-                                    if config["args"].get("ema_decay") else "live"),
+                        "weights": f"ema {run['ema_decay']}" if run.get("ema_decay") else "live",
                         # and where fine-tuned weights came from (--pretrained ...)
                         **{key: config[key] for key in (*EVALUATION, "fine_tune") if key in config}}
             try:
