@@ -17,6 +17,8 @@ training script imports from every folder.
                 compilation, weight averaging, evaluation
     failures    the ground floor, what the folders share: a failure on one process stops all of
                 them (agreed, said once, no hang)
+    faults      the faults a process meets by no fault of its code (a process, the store or a
+                DataLoader worker lost, a collective timed out, no memory), each one line
     data_only   files from outside read as data only: no checkpoint or dataset runs code
     files       atomic files and folders; the paths flags name, checked before anything is written
     units       GB, as the reports give memory

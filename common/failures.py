@@ -14,7 +14,6 @@ write) cannot be agreed: ``watch_failures`` makes it end every process within se
 import atexit
 import ctypes
 import os
-import re
 import shutil
 import signal
 import sys
@@ -29,6 +28,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from tqdm import tqdm
 
 from common.errors import UserError, first_line
+from common.faults import fault_line, lost_the_store
 
 # Under this much free space a failed write is put down to a full disk: torch.save reports one only
 # as a position mismatch ("unexpected pos 576 vs 534"), measured here on a full tmpfs.
@@ -88,7 +88,7 @@ def fail_together(accelerator, message: str) -> None:
     """Stop every process with ``message`` (they all have it): one line from the main process, said
     before any process exits so that the launcher cannot stop it first, then exit status 1."""
     error = UserError(message)
-    end_tracking_failed(accelerator)
+    end_tracking(accelerator)
     if getattr(accelerator, "num_processes", 1) > 1:
         ignore_the_launchers_stop()
         if accelerator.is_main_process:
@@ -109,6 +109,11 @@ STORE_S = 5.0  # an answer of the store at most: a stopped host never answers, w
 TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
 EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
 HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
+# At most for a stop in progress (a stop signal came: its step and checkpoint are being finished)
+# once the store is lost: a launcher killed outright takes its store, and its death signal is the
+# stop. Under Kubernetes' 30 s grace and SLURM's KillWait (30 s), which end it first there.
+STOPPING_S = 120.0
+STOPPING = threading.Event()  # set by common.parallel.step_guard as a stop signal comes
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 _ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
 
@@ -137,7 +142,7 @@ def watch_failures(accelerator) -> None:
 
     def hook(kind, error, traceback):
         _claim_the_end()
-        line = _fault_line(me, error)
+        line = fault_line(me, error)
         if store is None or _first(store, me):
             _own_line(accelerator)
             if line:
@@ -253,12 +258,13 @@ def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
             failed, lost = _bounded(STORE_S, store.get, FIRST_FAILURE).decode(), None
         except Exception as error:  # noqa: BLE001 - the store's host ended or stopped
             failed, lost = None, error
-        if failed == me or stop.wait(GRACE_S) or not threading.main_thread().is_alive():
+        grace = STOPPING_S if lost is not None and STOPPING.is_set() else GRACE_S
+        if failed == me or stop.wait(grace) or not threading.main_thread().is_alive():
             return
         _claim_the_end()
         if lost is not None:
             _own_line(accelerator)
-            print(_lost_the_store(me, lost), file=sys.stderr)
+            print(lost_the_store(me, lost), file=sys.stderr)
         end_now(accelerator, through_the_store=lost is None)
 
 
@@ -275,7 +281,7 @@ def end_now(accelerator, through_the_store: bool = True) -> None:
     ended = 0
     with suppress(Exception):
         ended = several and _bounded(STORE_S, _store().add, ENDED, 1)
-    for seconds, call, args in ((TRACKERS_S, end_tracking_failed, (accelerator,)),
+    for seconds, call, args in ((TRACKERS_S, end_tracking, (accelerator,)),
                                 (EXIT_S, _exit_handlers, ())):
         with suppress(Exception):
             _bounded(seconds, call, *args)
@@ -301,59 +307,6 @@ def _clear_progress_bars() -> None:
         bar.close()  # leave=False: the line is cleared
 
 
-def _fault_line(me: str, error: BaseException) -> str | None:
-    """The line for a fault that this process ``me`` met by no fault of its code, or None: another
-    process or the store lost, a collective timed out, a DataLoader worker killed, no memory."""
-    said = " ".join(str(e) for e in (error, error.__cause__, error.__context__) if e)
-    worker = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: (\w+)", said) or \
-        re.search(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly()", said)
-    if _lost_a_process(error):
-        return (f"error: process {me} lost another process of the job in a collective "
-                f"({_short(error)}): that process ended first; its own output or the "
-                f"launcher's report says why")
-    if isinstance(error, (torch.distributed.DistNetworkError, torch.distributed.DistStoreError)):
-        return _lost_the_store(me, error)
-    if _timed_out(error):
-        return (f"error: process {me} waited --dist-timeout in a collective for another process "
-                f"that never came ({_short(error)}): it stalled (a hung read, a stopped process) "
-                f"or is far slower; raise --dist-timeout only for the second")
-    if worker:
-        return (f"error: process {me}: its DataLoader worker (pid {worker[1]}) "
-                f"{f'was killed ({worker[2]})' if worker[2] else 'ended'}, as the kernel kills a "
-                f"process when memory runs out: give the job more memory, or pass fewer --workers; "
-                f"then the same command with --resume continues from the last checkpoint")
-    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in said:
-        return (f"error: process {me} ran out of memory ({first_line(error)}): pass a smaller "
-                f"--batch-size (with --grad-accum N to keep the global batch), or --compile none "
-                f"(CUDA graphs hold memory of their own); then the same command with --resume "
-                f"continues from the last checkpoint")
-    return None
-
-
-def _lost_the_store(me: str, error: BaseException) -> str:
-    return (f"error: process {me} lost the store through which the job's processes meet "
-            f"({first_line(error)}): its host (process 0, or the launcher) ended or stopped, so "
-            f"the job is failing; that process's output or the launcher's report says why")
-
-
-def _lost_a_process(error: BaseException) -> bool:
-    """Whether ``error`` is a collective's failure because another process is gone."""
-    return re.search(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-                     r"remote process exited|NCCL error", str(error)) is not None
-
-
-def _timed_out(error: BaseException) -> bool:
-    """Whether ``error`` is a collective that waited out --dist-timeout (gloo's, NCCL's words)."""
-    return re.search(r"Timed out waiting \d+ms|collective operation timeout|timed out after",
-                     str(error)) is not None
-
-
-def _short(error: BaseException) -> str:
-    """A collective's error in a few words: gloo's starts with the source file and goes on."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
-    return text.split(". ", 1)[0]
-
-
 def ignore_the_launchers_stop() -> None:
     """SIGTERM ignored from here on, by a process that ends with the job's agreed failure: the
     launcher stops the other processes once one has exited, and one that it kills (before it has
@@ -361,22 +314,26 @@ def ignore_the_launchers_stop() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def end_tracking_failed(accelerator) -> None:
-    """Finish the job's trackers as failed, from any thread: wandb records a run that nothing
-    finished as exit code 0, that is, as a success, and Accelerate's MLflow finish() as FINISHED;
-    TensorBoard's finish() flushes its events. Only the main process has trackers; a no-op before
-    they start."""
+def end_tracking(accelerator, stopped: bool = False) -> None:
+    """Finish the job's trackers as failed, or as ``stopped`` with a checkpoint to resume, from any
+    thread: wandb records a run that nothing finished as exit code 0, a success, and Accelerate's
+    MLflow finish() as FINISHED. Failed: wandb's exit code 1, MLflow's FAILED; stopped: wandb's run
+    marked preempting (exit code 0: a resume continues it), MLflow's KILLED. TensorBoard's finish()
+    flushes its events. Only the main process has trackers; a no-op before they start."""
+    status = "KILLED" if stopped else "FAILED"
     for tracker in getattr(accelerator, "trackers", None) or []:
         with suppress(Exception):  # already failing; tracking must not add to it
             run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run
             if hasattr(run, "finish"):
-                run.finish(exit_code=1)
+                if stopped:
+                    run.mark_preempting()
+                run.finish(exit_code=0 if stopped else 1)
             elif getattr(tracker, "name", None) == "mlflow":  # imported as the run started
                 # MLflow's active run is the thread's own: its client ends it from end_now's thread,
                 # end_run in the thread that started it (else FINISHED at exit)
                 mlflow = sys.modules["mlflow"]
-                mlflow.MlflowClient().set_terminated(tracker.active_run.info.run_id, "FAILED")
-                mlflow.end_run(status="FAILED")
+                mlflow.MlflowClient().set_terminated(tracker.active_run.info.run_id, status)
+                mlflow.end_run(status=status)
             else:
                 tracker.finish()
     accelerator.trackers = []

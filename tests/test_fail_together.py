@@ -386,3 +386,28 @@ def test_a_process_out_of_memory_ends_both_with_one_line(tmp_path):
                         r"memory: .*\): pass a smaller --batch-size \(with --grad-accum N to keep the global batch\), "
                         r"or --compile none \(CUDA graphs hold memory of their own\); then the same command with "
                         r"--resume continues from the last checkpoint", line), line
+
+
+def test_a_stop_in_progress_keeps_its_checkpoint_when_the_store_goes(tmp_path):
+    """The launcher killed outright takes the store it hosts (here a process of its own, as torchrun's agent
+    hosts it), and its death signal, SIGTERM, reaches every process: their stop, whose save takes 8 s, longer
+    than the watch's 3 s grace for a lost store (tests/probe_slow_save.py), finishes. Both save the step and
+    exit 75 with the stop line (before: both said they lost the store and exited 1, no checkpoint)."""
+    out = tmp_path / "run"
+    with launchers_store() as (host, env, port):
+        job = Processes(ROOT / "tests" / "probe_slow_save.py", ROOT / "scripts" / "train_ddp.py", "--dataset",
+                        "synthetic", "--synthetic-train-size", "2048", "--synthetic-test-size", "32", "--model",
+                        "resnet20", "--batch-size", "16", "--epochs", "1", "--report-to", "none", "--output-dir", out,
+                        cwd=tmp_path, env_extra=env, port=port)
+        deadline = time.monotonic() + 120
+        while "epoch 1/1:" not in job.stderr(0):  # training has started
+            assert time.monotonic() < deadline and job.procs[0].poll() is None, job.output()
+            time.sleep(0.1)
+        host.kill()
+        host.wait()
+        for process in job.procs:
+            process.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) == [75, 75], job.output()
+    stops = re.findall(r"stopped by SIGTERM after step (\d+): the training state is in (\S+);", job.stdout(0))
+    assert len(stops) == 1 and (Path(stops[0][1]) / "checkpoint.json").is_file(), job.output()
+    assert all(lines(job.stderr(rank)) == [] for rank in (0, 1)), job.output()

@@ -66,11 +66,14 @@ def all_finite(path: Path) -> bool:
 def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path, signum):
     """On the workers path, whose DataLoader workers get the signal too: one line, exit 75, the lock
     released, and --resume finishes the run. Ctrl-C's run is tracked by wandb (offline), whose own
-    process is in the group too: the run is finished cleanly, and the resume continues it."""
+    process is in the group too, and MLflow: wandb's run is marked preempting with exit code 0 and MLflow's
+    is KILLED (not FINISHED: it did not end), and the resume continues both to their finish."""
+    from mlflow.tracking import MlflowClient
+
     out = tmp_path / "run"
     tracked = signum == signal.SIGINT
-    command = [*TRAIN_SINGLE, *(TRACKED if tracked else SMALL), "--loader", "workers", "--workers", "1",
-               "--checkpoint-every", "3"]
+    command = [*TRAIN_SINGLE, *(TRACKED + ["--report-to", "wandb", "mlflow"] if tracked else SMALL), "--loader",
+               "workers", "--workers", "1", "--checkpoint-every", "3"]
     process = start([*command, "--output-dir", str(out)], tmp_path)
     wait_for(process, out / "checkpoints" / "step_00000003")
     os.killpg(process.pid, signum)
@@ -82,15 +85,20 @@ def test_ctrl_c_and_a_lost_terminal_save_the_step_and_stop_like_sigterm(tmp_path
     assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and (checkpoint / "checkpoint.json").is_file()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert not (out / ".lock").exists() and not (out / "model.safetensors").exists()
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{out.resolve() / 'mlflow.db'}")
     if tracked:
         (stopped,) = map(offline_run, wandb_runs(out))
-        assert stopped["exit_code"] == 0, stdout[-2000:] + stderr[-3000:]  # finished, not crashed
+        assert stopped["exit_code"] == 0 and stopped["preempting"], stdout[-2000:] + stderr[-3000:]  # not crashed
+        (killed,) = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()])
+        assert killed.info.status == "KILLED"
     done = finish(command, tmp_path, "--output-dir", out, "--resume")
     assert done.returncode == 0 and f"resumed from {checkpoint}" in done.stdout, done.stderr[-3000:]
     assert "done: step 16" in done.stdout
     if tracked:  # one wandb run, continued at the step after the checkpoint
         first, second = map(offline_run, wandb_runs(out))
-        assert first["id"] == second["id"] and second["exit_code"] == 0
+        assert first["id"] == second["id"] and second["exit_code"] == 0 and not second["preempting"]
+        (finished,) = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()])
+        assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
         assert min(k for k in second["history"] if k is not None) > step, second["history"]
 
 

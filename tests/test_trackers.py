@@ -118,7 +118,7 @@ def test_a_tracker_whose_package_is_missing_is_one_warning(tmp_path):
 
 
 def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
-    """common.failures.end_tracking_failed on an MLflow tracker, from the thread that started the run
+    """common.failures.end_tracking on an MLflow tracker, from the thread that started the run
     (fail_together) and from another (end_now's): Accelerate's MLflowTracker's finish()
     (mlflow.end_run()) would record the run as FINISHED, and MLflow's active run is the thread's own."""
     import threading
@@ -126,7 +126,7 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from common.failures import end_tracking_failed
+    from common.failures import end_tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -135,8 +135,8 @@ def test_a_failed_job_marks_its_mlflow_run_failed(tmp_path, monkeypatch):
             started = mlflow.start_run()  # what MLflowTracker.start does, without a job around
             accelerator = SimpleNamespace(is_main_process=True, trackers=[
                 SimpleNamespace(name="mlflow", active_run=started, finish=mlflow.end_run)])
-            closing = threading.Thread(target=end_tracking_failed, args=(accelerator,))
-            closing.start() if elsewhere else end_tracking_failed(accelerator)
+            closing = threading.Thread(target=end_tracking, args=(accelerator,))
+            closing.start() if elsewhere else end_tracking(accelerator)
             closing.join() if elsewhere else None
             assert MlflowClient(tracking_uri=uri).get_run(started.info.run_id).info.status == "FAILED", elsewhere
             assert accelerator.trackers == [] and (elsewhere or mlflow.active_run() is None)

@@ -37,9 +37,10 @@ def records(path: Path):
 
 
 def offline_run(run_dir: Path) -> dict:
-    """The config, the history rows (step -> {key: value}) and the exit code of an offline run."""
+    """The config, the history rows (step -> {key: value}), the exit code of an offline run and whether it
+    was marked preempting (a run stopped to be resumed)."""
     (datastore,) = Path(run_dir).glob("run-*.wandb")
-    config, history, exit_code, run_id = {}, {}, None, None
+    config, history, exit_code, run_id, preempting = {}, {}, None, None, False
     for record in records(datastore):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -52,4 +53,5 @@ def offline_run(run_dir: Path) -> dict:
             history.setdefault(row.get("_step"), {}).update(row)
         elif kind == "exit":
             exit_code = record.exit.exit_code
-    return {"id": run_id, "config": config, "history": history, "exit_code": exit_code}
+        preempting = preempting or kind == "preempting"
+    return {"id": run_id, "config": config, "history": history, "exit_code": exit_code, "preempting": preempting}

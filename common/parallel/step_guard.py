@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.failures import end_tracking_failed, ignore_the_launchers_stop, watch_failures
+from common.failures import STOPPING, end_tracking, ignore_the_launchers_stop, watch_failures
 from common.run.checkpoints import latest_good_checkpoint
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
@@ -80,6 +80,7 @@ class StepGuard:
 
     def _on_signal(self, signum, frame) -> None:  # only a flag: the step in progress finishes
         self.received = self.received or signal.Signals(signum).name
+        STOPPING.set()  # the failure watch waits for it, should the store go
 
     def check(self, loss: torch.Tensor, step: int, now: bool = False) -> Stop | None:
         """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees
@@ -172,7 +173,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
     from the main process before any exits, so the launcher cannot stop it before it speaks.
     """
     if not stop.saves:
-        end_tracking_failed(accelerator)  # wandb: the run failed, not finished
+        end_tracking(accelerator)  # wandb: the run failed, not finished
         ignore_the_launchers_stop()  # every process exits 1 by itself
         if accelerator.is_main_process:  # the same line on every process
             print(stop.message, file=sys.stderr, flush=True)
@@ -181,6 +182,7 @@ def announce_stop(accelerator, stop: Stop, step: int, checkpoint: Path | None) -
     accelerator.print(f"stopped by {stop.message} after step {step}: the training state is in "
                       f"{checkpoint}; the same command with --resume continues from there "
                       f"(exit code {STOPPED_EXIT_CODE})", flush=True)
+    end_tracking(accelerator, stopped=True)  # wandb: preempting; MLflow: KILLED, not FINISHED
     accelerator.end_training()
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.SIG_IGN)
