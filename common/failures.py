@@ -16,6 +16,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -114,6 +115,12 @@ HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the othe
 # stop. Under Kubernetes' 30 s grace and SLURM's KillWait (30 s), which end it first there.
 STOPPING_S = 120.0
 STOPPING = threading.Event()  # set by common.parallel.step_guard as a stop signal comes
+# A process whose heartbeat (its watcher's, twice a second, through the store) stops this long is
+# stalled (stopped, a frozen node, cut off): the process before it says so and the job ends, not at
+# --dist-timeout. A quarter of that if less, 10 s at least (_stall_s). Evaluations, checkpoints and
+# compiles do not count: the beat is the watcher thread's, not the training loop's.
+STALL_S = 60.0
+BEAT = {"step": 0}  # this process's last optimizer step (common.parallel.step_guard), in its beat
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 _ENDING = threading.RLock()  # held by the one thread that ends this process: one end, said once
 
@@ -157,10 +164,10 @@ def watch_failures(accelerator) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if several:
         stop = threading.Event()
-        thread = threading.Thread(target=_watch, args=(store, me, accelerator, stop), daemon=True,
-                                  name="failure-watch")
+        thread = threading.Thread(target=_watch, daemon=True, name="failure-watch",
+                                  args=(store, me, accelerator, stop, _stall_s(accelerator)))
         thread.start()
-        atexit.register(_stop_watching, stop, thread)
+        atexit.register(_stop_watching, stop, thread, store, me)
 
 
 def _without_wandbs_traceback(hook):
@@ -237,22 +244,61 @@ def _own_line(accelerator) -> None:
         print(file=sys.stderr)
 
 
-def _stop_watching(stop: threading.Event, thread: threading.Thread) -> None:
+def _stop_watching(stop: threading.Event, thread: threading.Thread, store, me: str) -> None:
     """At exit, the watcher out of the store before Python's shutdown: a daemon thread that it
     finds inside a C++ call (the store's) is ended there, and the process aborts ("terminate
-    called without an active exception"). Not when end_now runs the exit handlers (another thread
-    holds _ENDING): it ends the process with os._exit, and the watcher may be waiting for it."""
+    called without an active exception"); then its beat says "ended", which no one takes for a
+    stall. Not when end_now runs the exit handlers (another thread holds _ENDING): it ends the
+    process with os._exit, and the watcher may be waiting for it."""
     stop.set()
     if _ENDING.acquire(blocking=False):  # a normal exit: a watcher that wakes now ends nothing
         thread.join(timeout=STORE_S + 1)
+        with suppress(Exception):
+            _bounded(STORE_S, store.set, f"beat-{me}", "ended")
 
 
-def _watch(store, me: str, accelerator, stop: threading.Event) -> None:
+def _stall_s(accelerator) -> float:
+    """STALL_S, or a quarter of the group's timeout (--dist-timeout) if less, 10 s at least."""
+    with suppress(Exception):  # the timeout of the group's backend for this process's device
+        group = torch.distributed.distributed_c10d._get_default_group()  # noqa: SLF001
+        timeout = group._get_backend(accelerator.device).options._timeout  # noqa: SLF001
+        return max(10.0, min(STALL_S, timeout.total_seconds() / 4))
+    return STALL_S
+
+
+def _silence(store, peer: str, heard: list) -> float:
+    """Seconds since process ``peer``'s beat last changed (``heard``: the beat last read, and when
+    it changed); 0 before its first beat and after its end."""
+    key = f"beat-{peer}"
+    beat = _bounded(STORE_S, store.get, key).decode() if _bounded(STORE_S, store.check, [key]) \
+        else None
+    if beat != heard[0]:
+        heard[:] = [beat, time.monotonic()]
+    return 0.0 if beat in (None, "ended") else time.monotonic() - heard[1]
+
+
+def _watch(store, me: str, accelerator, stop: threading.Event, stall_s: float) -> None:
     """Another process's failure, or the store's, read from the store: this process ends, unless
     within GRACE_S it ends by itself, with its own failure met in a collective (gloo's fail at
-    once) or at the job's end (the store's host exits first). Until ``stop`` is set."""
+    once) or at the job's end (the store's host exits first). Each poll also posts this process's
+    beat and reads the next one's: silent for ``stall_s``, it is said stalled and the job ends.
+    Until ``stop`` is set."""
+    peer, host = str((int(me) + 1) % accelerator.num_processes), socket.gethostname()
+    heard, beats = [None, time.monotonic()], 0
     while not stop.wait(POLL_S):
         try:
+            beats += 1
+            _bounded(STORE_S, store.set, f"beat-{me}", f"{beats} {BEAT['step']} {host}")
+            if _silence(store, peer, heard) > stall_s:
+                _claim_the_end()
+                if _first(store, me):
+                    _, step, where = heard[0].split(" ", 2)
+                    _own_line(accelerator)
+                    when = f"after step {step}" if step != "0" else "before its first step"
+                    print(f"error: process {me}: process {peer} on {where} has not answered for "
+                          f"{stall_s:g} s, {when}: it is stopped (SIGSTOP, a frozen node) or cut "
+                          f"off; the job ends now, not at --dist-timeout", file=sys.stderr)
+                end_now(accelerator)
             if not _bounded(STORE_S, store.check, [FIRST_FAILURE]):
                 continue
             failed, lost = _bounded(STORE_S, store.get, FIRST_FAILURE).decode(), None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.failures import STOPPING, end_tracking, ignore_the_launchers_stop, watch_failures
+from common.failures import BEAT, STOPPING, end_tracking, ignore_the_launchers_stop, watch_failures
 from common.run.checkpoints import latest_good_checkpoint
 
 # The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
@@ -86,6 +86,7 @@ class StepGuard:
         """After optimizer step ``step`` with its detached ``loss``: the Stop every process agrees
         on, or None to go on. ``now``: read this step's numbers at once (it is to be saved)."""
         total = loss.float()  # detached already: the sum of the micro-batches' detached losses
+        BEAT["step"] = step  # said, should this process stall: common.failures' heartbeat
         if self.accelerator.num_processes > 1:  # one all-reduce of [loss, processes signalled]
             signalled = torch.full_like(total, float(self.received is not None))  # a fill, no copy
             total = self.accelerator.reduce(torch.stack([total, signalled]), "sum")
