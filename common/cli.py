@@ -56,10 +56,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     add_augment_args(parser)
 
     train = parser.add_argument_group("training")
-    train.add_argument("--model", default="resnet18",
-                       help=f"one of {', '.join(model_names())}, torchvision:NAME for any "
-                            "torchvision classifier with its ImageNet stem, or timm:NAME for any "
-                            "timm model (default: %(default)s)")
+    train.add_argument("--model", default="resnet18", help=f"one of {', '.join(model_names())}, "
+                       "torchvision:NAME for any torchvision classifier with its ImageNet stem, or "
+                       "timm:NAME for any timm model (default: %(default)s)")
     train.add_argument("--pretrained", action="store_true",
                        help="start from the library's ImageNet weights of --model (timm:NAME from "
                             "the Hugging Face cache, torchvision:NAME from $TORCH_HOME; downloaded "
@@ -234,28 +233,25 @@ def check_args(args: argparse.Namespace) -> None:
     # computes in float32: a larger lr or weight decay (the peak lr, after --scale-lr) stops its
     # first step with "value cannot be converted to type float without overflow".
     scale = args.batch_size / args.reference_batch_size if args.scale_lr else 1
-    ranges = [
-        ("--seed", args.seed, 0 <= args.seed <= MAX_SEED,
-         f"from 0 to {MAX_SEED} (numpy's seeds are 32-bit)"),
-        ("--lr", args.lr, args.lr is None or 0 < args.lr * max(scale, 1) <= FLOAT32_MAX,
+    ranges = [  # (dest, whether its value is in range, the range)
+        ("seed", 0 <= args.seed <= MAX_SEED, f"from 0 to {MAX_SEED} (numpy's seeds are 32-bit)"),
+        ("lr", args.lr is None or 0 < args.lr * max(scale, 1) <= FLOAT32_MAX,
          f"a positive number, e.g. {DEFAULT_LR[args.optimizer]}, at most {FLOAT32_MAX:.3g} "
          f"(float32's largest) once scaled by --scale-lr"),
-        ("--clip-grad", args.clip_grad, args.clip_grad is None or 0 < args.clip_grad < math.inf,
+        ("clip_grad", args.clip_grad is None or 0 < args.clip_grad < math.inf,
          "a positive number, e.g. 1.0"),
         # torch's SGD refuses Nesterov without momentum; 1 or more diverges
-        ("--momentum", args.momentum, 0 < args.momentum < 1,
-         "above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
-        ("--weight-decay", args.weight_decay, 0 <= args.weight_decay <= FLOAT32_MAX,
+        ("momentum", 0 < args.momentum < 1, "above 0 (Nesterov needs some) and below 1, e.g. 0.9"),
+        ("weight_decay", 0 <= args.weight_decay <= FLOAT32_MAX,
          f"a number, 0 (none) or more, at most {FLOAT32_MAX:.3g} (float32's largest)"),
-        ("--label-smoothing", args.label_smoothing, 0 <= args.label_smoothing < 1,
+        ("label_smoothing", 0 <= args.label_smoothing < 1,
          "0 (none) or more and below 1"),  # 1 would train towards uniform targets
-        ("--ema-decay", args.ema_decay, 0 <= args.ema_decay < 1,
-         "0 (none) or more and below 1, e.g. 0.999"),
-        ("--warmup-epochs", args.warmup_epochs, 0 <= args.warmup_epochs <= args.epochs,
+        ("ema_decay", 0 <= args.ema_decay < 1, "0 (none) or more and below 1, e.g. 0.999"),
+        ("warmup_epochs", 0 <= args.warmup_epochs <= args.epochs,
          f"a number of epochs from 0 to --epochs {args.epochs}")]
-    for flag, value, in_range, what in ranges:
+    for dest, in_range, what in ranges:
         if not in_range:
-            raise UserError(f"{flag} {value}: must be {what}")
+            raise UserError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: must be {what}")
     if args.schedule == "step":
         check_milestones(args.milestones, args.epochs)
     timeout = getattr(args, "dist_timeout", None)  # DDP's and AMP's flag

@@ -39,8 +39,7 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
                     image_size: int | None = None, val_fraction: float | None = None,
                     skip_bad: bool = False, interpolation: str = "bilinear") -> ImageData:
     """``open_source``'s dataset decoded: every image at ``image_size`` (shorter side resized with
-    ``interpolation``, centre square cropped) or, with None, at the size all images share. Cached,
-    except synthetic data."""
+    ``interpolation``, centre square cropped) or, with None, at the size all images share."""
     def build():
         source = open_unchecked(dataset, data_dir, cache_dir, synthetic_train_size,
                                 synthetic_test_size, synthetic_classes, seed)
@@ -55,8 +54,7 @@ def load_image_data(dataset: str = "cifar10", data_dir: str | None = None,
     else:
         check_dataset_name(dataset)
         key = _hub_key(dataset)
-    name = cache_name(key, image_size, interpolation, skip_bad)
-    data = _cached(folder / name, build)
+    data = _cached(folder / cache_name(key, image_size, interpolation, skip_bad), build)
     if not val_fraction and not len(data.test_labels):  # cached by a run that carved its split
         where = data.source.split(" (cached at ")[0]
         raise UserError(f"{where} has no labelled evaluation split; {NO_EVAL_SPLIT}")
@@ -91,8 +89,7 @@ def _cached(path: Path, build=None) -> ImageData | None:
 
     Processes that start together (DDP) all call this: the first to take the file lock downloads
     and decodes, the others wait for the lock and then read its cache. A lock, not a collective
-    barrier, so a long first download is not cut short by the process group's timeout.
-    """
+    barrier, so a long first download is not cut short by the process group's timeout."""
     with FileLock(f"{path}.lock"):
         if path.exists():
             try:
@@ -124,8 +121,7 @@ def _cached(path: Path, build=None) -> ImageData | None:
 
 def _saved(path: Path) -> ImageData:
     saved = torch.load(path, weights_only=True, mmap=True)
-    if path.stem.endswith("-skip") and "skipped" not in saved:
-        # its --val-fraction would differ
+    if path.stem.endswith("-skip") and "skipped" not in saved:  # its --val-fraction would differ
         raise ValueError("written before the images skipped were recorded")
     # a cache that an older version wrote of data of one class
     check_classes(saved["train_labels"], saved["classes"], saved["source"])

@@ -68,12 +68,11 @@ def check_data_args(args: argparse.Namespace) -> None:
         raise UserError(f"--val-fraction {args.val_fraction}: must be between 0 and 1, e.g. 0.1")
     if args.loader_budget is not None and not 0 <= args.loader_budget < math.inf:
         raise UserError(f"--loader-budget {args.loader_budget}: must be a number of GB, 0 or more")
-    if args.workers is not None and args.loader == "device":
-        raise UserError(f"--workers {args.workers} is for --loader workers, not --loader device: "
-                        f"drop one of them")
-    if args.loader_budget is not None and args.loader == "workers":
-        raise UserError(f"--loader-budget {args.loader_budget} is for --loader device or auto, "
-                        f"not --loader workers: drop one of them")
+    for dest, meant, refused in (("workers", "workers", "device"),
+                                 ("loader_budget", "device or auto", "workers")):
+        if (value := getattr(args, dest)) is not None and args.loader == refused:
+            raise UserError(f"--{dest.replace('_', '-')} {value} is for --loader {meant}, not "
+                            f"--loader {refused}: drop one of them")
     for flag in ("synthetic_train_size", "synthetic_test_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be 1 or more")

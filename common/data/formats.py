@@ -45,10 +45,9 @@ DTYPES = re.compile(r"null|bool|u?int(8|16|32|64)|float(16|32|64)?|double|(large
 
 
 def detect_format(data_dir: Path):
-    """Return (root, a function listing the files the data is read from, a function of the cache
-    folder that opens them: parquet is converted to Arrow under --cache-dir, None: the default,
-    common.data.options.cache_folder). Listing is for the decoded cache's key only, and costs a
-    stat per file."""
+    """(root, a function listing the files the data is read from, a function of --cache-dir (None:
+    the default, common.data.options.cache_folder) that opens them, parquet converted to Arrow
+    there). Listing is for the decoded cache's key only, and costs a stat per file."""
     if not data_dir.exists():
         raise UserError(f"--data-dir {data_dir} does not exist; pass a folder holding "
                         f"{DATA_DIR_FORMATS}")
@@ -191,7 +190,7 @@ def _read_image_folder(root: Path) -> ImageSource:
         raise UserError(f"image folder {root / 'train'} has no class folders; put each class's "
                         f"images in train/<class>/")
     if len(classes) == 1:
-        _refuse_one_class(root, classes[0], evaluated)
+        _refuse_one_class(root, classes[0], evaluated, class_folders(f"train/{classes[0]}"))
     eval_classes = class_folders(evaluated) if evaluated else classes
     if classes != eval_classes:
         only_train = sorted(set(classes) - set(eval_classes))
@@ -210,16 +209,14 @@ def _read_image_folder(root: Path) -> ImageSource:
     if evaluated is None:  # the error, unless --val-fraction carves one, is splits.checked's
         return ImageSource(out[0], None, classes, f"image folder {root} (no test/, val/ or "
                                                   f"validation/ folder of class folders)")
-    return ImageSource(*out, classes=classes,
-                       source=f"image folder {root}; evaluated on {evaluated}")
+    return ImageSource(*out, classes, f"image folder {root}; evaluated on {evaluated}")
 
 
 def _images_in(split: Path, classes: list[str]) -> list[tuple[str, int]]:
     """(path, label) of each image in split/<class>/ and below, as torchvision's make_dataset lists
-    them (os.walk, links followed, each folder's files sorted, folders in order of their paths),
-    but a folder that holds the class folder or was met before is walked no further (make_dataset's
-    walk of a link to .. never ends), and only regular files are taken (a FIFO named x.png would
-    block its reader)."""
+    them (os.walk, links followed, each folder's files sorted, folders by path), but a folder that
+    holds the class folder or was met before is not walked (make_dataset's walk of a link to ..
+    never ends), and only regular files are taken (a FIFO named x.png would block its reader)."""
     found = []
     for label, name in enumerate(classes):
         walked, seen = [], {os.stat(above)[1:3] for above in (split / name).absolute().parents}
@@ -241,11 +238,10 @@ def _is_image(path: str) -> bool:
     return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
 
 
-def _refuse_one_class(root: Path, only: str, evaluated: str | None) -> None:
-    """One class folder is no classification problem (splits.checked refuses it for every
-    source); here it is said what the folder holds instead, and what to give."""
+def _refuse_one_class(root: Path, only: str, evaluated: str | None, inner: list[str]) -> None:
+    """One class folder is no classification problem (splits.checked refuses it for every source);
+    here it is said what it holds instead (``inner``, its folders), and what to give."""
     folder = root / "train" / only
-    inner = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     if "train" in inner:  # a whole dataset one level down: give that folder
         raise UserError(f"image folder {root} has one class folder, train/{only}/, which holds a "
                         f"dataset of its own (train/{only}/train/); pass --data-dir {folder}")
@@ -299,12 +295,10 @@ def _unpickle(blob: bytes, name: str) -> dict:
 
 
 def _from_cifar_pickles(read, source: str, cifar100: bool) -> ImageSource:
-    if cifar100:
-        train_files, test_files = ["train"], ["test"]
-        meta, names_key, labels_key = "meta", "fine_label_names", "fine_labels"
-    else:
-        train_files, test_files = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
-        meta, names_key, labels_key = "batches.meta", "label_names", "labels"
+    train_files = ["train"] if cifar100 else [f"data_batch_{i}" for i in range(1, 6)]
+    test_files, meta = (["test"], "meta") if cifar100 else (["test_batch"], "batches.meta")
+    names_key, labels_key = (("fine_label_names", "fine_labels") if cifar100
+                             else ("label_names", "labels"))
 
     def split(files, name):
         batches = [read(file) for file in files]

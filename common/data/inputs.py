@@ -50,10 +50,8 @@ class Inputs:
     why: str  # why that loader, for the start line
     workers: int
     interpolation: str  # of every resize (DataOptions.interpolation)
-    # --val-fraction and --seed, which evaluation needs to find the same split
-    eval_split: dict | None = None
-    # --mixup, --cutmix: images, labels = mix(images, labels, micro_batch) (off: as they are)
-    mix: BatchMix = dataclasses.field(default_factory=lambda: BatchMix(2))
+    eval_split: dict | None = None  # --val-fraction and --seed (_eval_split)
+    mix: BatchMix = dataclasses.field(default_factory=lambda: BatchMix(2))  # --mixup, --cutmix
 
     @property
     def num_classes(self) -> int:
@@ -83,8 +81,7 @@ def load_data(args, accelerator, checkpoint) -> tuple:
     """A training run's data: the file of the pretrained weights it starts from (--pretrained,
     --pretrained-path; None without), which sets the input size and normalisation, and its
     Inputs (load_inputs). A collective: every process must call it."""
-    # found now, one line if it is missing; a resumed run (``checkpoint``) needs only what the run
-    # recorded of them: the checkpoint holds the weights
+    # found now, one line if missing; resuming ``checkpoint``, only what the run recorded of them
     weights = refused_together(accelerator, find_weights, args.model, args.pretrained,
                                args.pretrained_path, checkpoint)
     return weights, load_inputs(data_options(args, weights), accelerator)
@@ -105,8 +102,7 @@ def loaders(options: DataOptions, accelerator, train: bool) -> Inputs:
     from the decode cache of an earlier run when there is one, else from the source. A collective:
     every process refuses together."""
     if (data := refused_together(accelerator, _cached, options, train)) is not None:
-        inputs = refused_together(accelerator, _from_cache, options, accelerator, data, train)
-        if inputs is not None:
+        if inputs := refused_together(accelerator, _from_cache, options, accelerator, data, train):
             return inputs
     source = refused_together(accelerator, _open, options, train)
     return refused_together(accelerator, _build, options, accelerator, source, train)
@@ -129,11 +125,10 @@ def _check_batch_size(batch_size: int, train_size: int, train: bool) -> None:
 def _cached(options: DataOptions, train: bool):
     """A Hub dataset an earlier run decoded at its own size (CIFAR from the Hub, run after run):
     the device path starts from it without asking the Hub or `datasets` anything."""
-    if options.loader == "workers" or options.data_dir is not None \
-            or options.dataset == "synthetic":
-        return None
+    hub = (options.loader != "workers" and options.data_dir is None
+           and options.dataset != "synthetic")
     data = cached_hub_data(options.dataset, options.cache_dir, options.bad_images == "skip",
-                           options.interpolation)
+                           options.interpolation) if hub else None
     if data is None or options.image_size not in (None, data.train_images.shape[-1]):
         return None
     _check_batch_size(options.batch_size, len(data.train_labels), train)

@@ -57,9 +57,7 @@ class Weights:
     normalization: dict | None = None  # {"mean": [...], "std": [...]}, as DataOptions takes it
     input_size: int | None = None
     interpolation: str | None = None
-    # A resumed run's weights whose file is gone: what the run recorded of them, not loaded (the
-    # checkpoint replaces every tensor anyway)
-    recorded_only: bool = False
+    recorded_only: bool = False  # resuming: what the run recorded of them, not read (find_weights)
 
     @property
     def resize_interpolation(self) -> str:

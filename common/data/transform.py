@@ -75,8 +75,7 @@ class BatchTransform:
     ``interpolation``: bilinear, or bicubic where pretrained weights were trained so.
 
     ``mean`` and ``std`` are per-channel statistics of the training images in the 0..255 scale
-    (see common.data.stats.channel_stats), so any dataset gets its own normalisation.
-    """
+    (see common.data.stats.channel_stats), so any dataset gets its own normalisation."""
 
     def __init__(self, mean, std, augment: bool = True, channels_last: bool = False,
                  erase: float = 0.0, interpolation: str = "bilinear"):
@@ -93,8 +92,7 @@ class BatchTransform:
 
         The random numbers come from a generator seeded per batch (``seed`` is a tuple of ints,
         e.g. (run seed, step)), not from the global RNG, so a resumed run draws exactly what the
-        uninterrupted run drew for that batch.
-        """
+        uninterrupted run drew for that batch."""
         if not (self.augment or self.erase):
             return self.eval(images)
         generator = torch.Generator(images.device).manual_seed(sample_seed(*seed))
@@ -167,8 +165,7 @@ class BatchTransform:
             source = source.clamp(start.view(-1, 1), (start + length - 1).view(-1, 1))
             return (2 * source + 1) / side - 1
         x, y = positions(left, width, w, flipped), positions(top, height, h)
-        grid = torch.stack([x.view(b, 1, w).expand(b, h, w), y.view(b, h, 1).expand(b, h, w)],
-                           dim=-1)
+        grid = torch.stack([x.view(b, 1, w).expand(b, h, w), y.view(b, h, 1).expand(b, h, w)], -1)
         return torch.nn.functional.grid_sample(images.float(), grid, mode="bilinear",
                                                padding_mode="border", align_corners=False)
 
@@ -205,8 +202,7 @@ def _bicubic_taps(start, length, side: int, mirrored=None):
     index = (start.view(-1, 1, 1) + torch.minimum(taps, (length - 1).view(-1, 1, 1))).long()
     if mirrored is not None:  # a mirrored row's pixel j is the unmirrored row's side - 1 - j
         flip = mirrored.view(-1, 1, 1)
-        index, weights = (torch.where(flip, index.flip(1), index),
-                          torch.where(flip, weights.flip(1), weights))
+        index, weights = (torch.where(flip, t.flip(1), t) for t in (index, weights))
     return index, weights
 
 

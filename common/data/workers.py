@@ -61,8 +61,7 @@ class SampleImages(Dataset):
 
     ``split`` is a common.data split (``encoded(i)``, ``name(i)``, ``labels``). Training indexes it
     with (epoch, index) pairs from EpochSampler, and the transform's random numbers come from
-    (seed, epoch, index); evaluation indexes it with plain indices and the deterministic ``fit``.
-    """
+    (seed, epoch, index); evaluation indexes it with plain indices and the deterministic ``fit``."""
 
     def __init__(self, split, size: int, train: bool, augment: bool = True, seed: int = 0,
                  skip_bad: bool = False, auto_augment: str = "none",
@@ -78,7 +77,6 @@ class SampleImages(Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         image, read = self.read(index)  # read != index: a bad image skipped, the next in its place
-        # the same view whatever worker or process reads it
         rng = random.Random(sample_seed(self.seed, epoch, index))
         image = augment(image, self.size, rng, self.policy, self.augment, self.interpolation)
         return image, int(self.split.labels[read])
@@ -117,8 +115,7 @@ class EpochSampler(Sampler):
     def __iter__(self):
         generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch))
         order = torch.randperm(self.size, generator=generator)
-        epoch = self.epoch
-        return ((epoch, index) for index in order.tolist())
+        return zip([self.epoch] * self.size, order.tolist())
 
 
 def default_workers(processes_per_node: int = 1) -> int:
@@ -174,8 +171,7 @@ def worker_loader(split, size: int, batch_size: int, train: bool, workers: int, 
     skip_bad, auto_augment and interpolation).
 
     Training loaders shuffle with EpochSampler and drop the last partial batch; evaluation loaders
-    keep every image in order. Workers stay up between epochs (persistent_workers).
-    """
+    keep every image in order. Workers stay up between epochs (persistent_workers)."""
     return DataLoader(SampleImages(split, size, train, seed=seed, **sample), batch_size=batch_size,
                       sampler=EpochSampler(len(split), seed) if train else None,
                       drop_last=train, num_workers=workers, persistent_workers=workers > 0,

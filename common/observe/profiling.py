@@ -112,9 +112,8 @@ def per_step_table(averages, steps: int, gpu: bool) -> str:
 
 def per_caller_table(events, steps: int, gpu: bool, script: str) -> str | None:
     """torch.profiler's ops (``events``) grouped by what the training loop in ``script`` called to
-    run them (the frame below the loop's in each op's Python stack: the model's forward, the
-    backward, the optimizer, the augmentation, the stop check ...): ops called per step, self CPU
-    and self GPU time (microseconds) per step, most costly first. None without stacks.
+    run them (``_caller``: the model's forward, the backward ...): ops called per step, self CPU and
+    self GPU time (microseconds) per step, most costly first. None without stacks.
 
     Not torch's ``key_averages(group_by_stack_n=N)``: it keys each op by its N innermost frames
     (torch/nn/modules/linear.py, torch/_ops.py: every layer of the model alike), not by what the
@@ -166,10 +165,8 @@ def _caller(event, script: str) -> str | None:
         parent = parent.cpu_parent
     frames = [frame for frame in stack or () if ".py(" in frame]
     loop = next((i for i, frame in enumerate(frames) if f"{script}(" in frame), None)
-    if loop is None:
-        return None
-    if loop == 0:
-        return f"{script}: its own lines"
+    if not loop:  # None: not called from the loop; 0: the loop's own lines
+        return None if loop is None else f"{script}: its own lines"
     inner = frames[:loop]
     called = next((f for f in reversed(inner) if not any(w in f for w in _WRAPPERS)), inner[-1])
     path, _, where = called.rpartition(".py(")

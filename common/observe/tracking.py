@@ -80,8 +80,7 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
 
     ``project`` (wandb's project, MLflow's experiment, TensorBoard's folder), ``name``, ``tags`` and
     ``group`` win over WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP only when given, so
-    those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME.
-    """
+    those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME."""
     if not accelerator.is_main_process:  # Accelerate starts no tracker on the others
         return
     # log_with holds Accelerate's LoggerType for a name (str() gives it), or a tracker (its own)
@@ -131,8 +130,7 @@ def start_run(accelerator, script: str, args, config: dict, output_dir: Path, pr
               where: str, data_line: str) -> None:
     """A run's start: config.json (once per run, common.run.record.write_config), its trackers
     started or continued (start_tracking, with --wandb-project, --run-name, --wandb-tags and
-    --wandb-group from ``args``) and its first line (start_line). A collective: every process
-    must call it."""
+    --wandb-group) and its first line (start_line). A collective: every process must call it."""
     write_config(accelerator, output_dir, config)
     with main_alone(accelerator, "trackers-started", 2 * START_TIMEOUT):  # beyond --dist-timeout
         start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
@@ -176,8 +174,7 @@ def _mlflow_init(accelerator, output_dir: Path, progress, name) -> tuple[dict, b
         tries = 1 + int(os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"))
         accelerator.print(f"mlflow: starting its run at {uri} (one that does not answer costs "
                           f"about {tries * wait + 3:g} s, then training goes on)")
-    # MLflow's INFO lines on a new store ("Creating initial MLflow database tables...") would come
-    # before the start line
+    # a new store's INFO ("Creating initial MLflow database tables...") would precede the start line
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     if not uri:
         # MLflow 3's default is sqlite:///mlflow.db in the working directory (full mlflow only).
@@ -237,8 +234,7 @@ def record_epoch(accelerator, output_dir: Path, history: list[dict], metrics: di
 class StepLogger:
     """Per-step loss, lr and throughput, every ``every`` optimizer steps.
 
-    ``loss.item()`` waits for the device, so it is read only at those steps, not every step.
-    """
+    ``loss.item()`` waits for the device, so it is read only at those steps, not every step."""
 
     def __init__(self, accelerator, every: int, batch_size: int):
         self.accelerator, self.every, self.batch_size = accelerator, every, batch_size
@@ -293,8 +289,7 @@ def start_line(script: str, where: str, config: dict, data_line: str, output_dir
     accumulated = f" x {config['grad_accum']} micro-batches" if config["grad_accum"] > 1 else ""
     batch = (f"batch {config['global_batch_size']} "
              f"({config['per_device_batch_size']} per device{accumulated})")
-    numerics = (f"fp32 math {config['fp32_precision']}"
-                + (" (deterministic)" if args["deterministic"] else ""))
+    numerics = f"fp32 math {config['fp32_precision']}{' (deterministic)' * args['deterministic']}"
     data = f"{config['train_size']} training images ({config['data']}), {data_line}"
     steps = f"{config['steps_per_epoch']} steps/epoch, {config['total_steps']} steps in all"
     tuned = config.get("fine_tune", {})  # --pretrained(-path), --compile, --share-gpus: lines

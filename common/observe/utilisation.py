@@ -99,8 +99,7 @@ class DataWait:
     clock would measure whatever the device was still busy with; CUDA events in the stream measure
     the device's time instead: the batch's own work (indexing, augmentation) plus any time the
     device sat idle waiting for the host to fetch it. Reading them waits for the device, so
-    ``seconds`` is called once an epoch.
-    """
+    ``seconds`` is called once an epoch."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"

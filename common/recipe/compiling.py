@@ -4,24 +4,23 @@ graphs by default on a GPU, the compiler's cache private to the process.
     accelerator = Accelerator(dynamo_plugin=set_up_compiling(args), ...)
 
 prepare() then wraps the model in torch.compile(model, backend=..., mode=...). --compile auto (the
-default) replays each training step of a one-process run on a CUDA GPU as CUDA graphs
-(Inductor's reduce-overhead; several processes: ``chosen``): a ResNet-18 step at batch 128 is bound
-by the host launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s
-with CUDA graphs, docs/gpu/nvidia-h200.md). It trains eagerly, as --compile none always does, on
-a CPU (compiling costs 45-50 s there and gains nothing over bf16 and channels_last,
-docs/benchmarks.md), on a GPU Inductor cannot compile for (``why_eager_here``) and under --profile
-(a trace of CUDA graphs shows their launches, not layers: kineto#1165). A compile that fails under
-auto is one warning and the model trains eagerly (Dynamo's suppress_errors); an explicit --compile
-stops in one line. What the CUDA-graph modes (reduce-overhead, max-autotune) need, and how the
-scripts give it: static shapes (training drops the last partial batch, the graph is compiled with
-dynamic=False, evaluation's last, smaller batch is one more graph, recorded once); no host sync
-inside the compiled region (the model alone is compiled, the loss is read a step late on a GPU:
-common.parallel.step_guard); a learning rate that changes no graph (the optimizer step is not
-compiled); no gradient accumulation (graph trees replay into the same output buffers, so one
-micro-batch's gradients can be overwritten by the next's before they are added up: pytorch#169545,
-#96693; auto then compiles without graphs). On a CPU there are no CUDA graphs: Inductor compiles
-its CPU code as in the default mode (max-autotune also tunes its matrix kernels), as the start line
-says.
+default) replays each training step of a one-process run on a CUDA GPU as CUDA graphs (Inductor's
+reduce-overhead; several processes: ``chosen``): a ResNet-18 step at batch 128 is bound by the host
+launching its kernels there (an H200 busy 22-37 % of the time, eager; 7x the img/s with CUDA graphs,
+docs/gpu/nvidia-h200.md). It trains eagerly, as --compile none always does, on a CPU (compiling
+costs 45-50 s there and gains nothing over bf16 and channels_last, docs/benchmarks.md), on a GPU
+Inductor cannot compile for (``why_eager_here``) and under --profile (a trace of CUDA graphs shows
+their launches, not layers: kineto#1165). A compile that fails under auto is one warning and the
+model trains eagerly (Dynamo's suppress_errors); an explicit --compile stops in one line. What the
+CUDA-graph modes (reduce-overhead, max-autotune) need, and how the scripts give it: static shapes
+(training drops the last partial batch, the graph is compiled with dynamic=False, evaluation's last,
+smaller batch is one more graph, recorded once); no host sync inside the compiled region (the model
+alone is compiled, the loss is read a step late on a GPU: common.parallel.step_guard); a learning
+rate that changes no graph (the optimizer step is not compiled); no gradient accumulation (graph
+trees replay into the same output buffers, so one micro-batch's gradients can be overwritten by the
+next's before they are added up: pytorch#169545, #96693; auto then compiles without graphs). On a
+CPU there are no CUDA graphs: Inductor compiles its CPU code as in the default mode (max-autotune
+also tunes its matrix kernels), as the start line says.
 
 Inductor's caches (FX graphs, AOTAutograd, Triton kernels) hold code it loads: pickles, .so and .py
 files. A cache others can write (runs/ on a shared volume, torch's default under /tmp, which
@@ -100,21 +99,19 @@ def triton_cannot_build() -> str | None:
         failed = done.returncode and (done.stderr.strip() or f"exit {done.returncode}")
     except (OSError, subprocess.SubprocessError) as error:
         failed = first_line(error)
-    if not failed:
-        return None
-    return f"the C compiler {cc} fails ({failed.splitlines()[0]}): install gcc, or name one in CC"
+    return (f"the C compiler {cc} fails ({failed.splitlines()[0]}): install gcc, or name one in CC"
+            if failed else None)
 
 
 def chosen(args, cannot: str | None, model_is="whole", processes=1) -> tuple[str, str]:
     """The backend ("no": eager) and mode that --compile and --compile-mode give on a machine where
     auto ``cannot`` compile (``why_eager_here``) or can (None), for one of ``processes`` that trains
     the ``model_is`` "whole" model, its "replicas" (DataParallel) or its "shards" (FSDP2); --profile
-    keeps auto eager (the module's docstring). Several processes stay eager:
-    under DDP, BatchNorm's running statistics make Inductor skip the CUDA graphs and run slower
-    (pytorch#139207, open); the GPU plan measures DDP with them (--compile inductor
-    --compile-mode reduce-overhead). DataParallel's replicas are copied anew at every step; FSDP2
-    shards a model for its size, whose step is not launch-bound, and CUDA graphs around FSDP2's
-    hooks are not proven here."""
+    keeps auto eager (the module's docstring). Several processes stay eager: under DDP, BatchNorm's
+    running statistics make Inductor skip the CUDA graphs and run slower (pytorch#139207, open); the
+    GPU plan measures DDP with them (--compile inductor --compile-mode reduce-overhead).
+    DataParallel's replicas are copied anew at every step; FSDP2 shards a model for its size, whose
+    step is not launch-bound, and CUDA graphs around FSDP2's hooks are not proven here."""
     if args.compile == "auto":
         if cannot or args.deterministic or args.profile or model_is != "whole" or processes > 1:
             return "no", "default"  # --deterministic: eager's kernels, bit for bit on --resume

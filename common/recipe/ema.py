@@ -13,13 +13,11 @@ update is one fused lerp per dtype (torch._foreach_lerp_) with the weight as a P
 per-parameter Python loop, no host-device synchronisation.
 
 Under DDP the parameters are the same on every process but each process's BatchNorm statistics
-follow its own slice of the batch: the averaged buffers are averaged over the processes after
-every update (one small all-reduce), so every process holds the same average, evaluates with it,
-and resumes from the copy the main process saves (save_as_data writes the main process's) bit for
-bit.
+follow its own slice of the batch: the averaged buffers are averaged over the processes after every
+update (one small all-reduce), so every process holds the same average, evaluates with it, and
+resumes from the copy the main process saves (save_as_data writes the main process's) bit for bit.
 
-Under FSDP2 each process averages its slice of the weights: common.parallel.fsdp's
-ShardedWeightAverage.
+Under FSDP2 each process averages its weights' slice: common.parallel.fsdp's ShardedWeightAverage.
 """
 
 import torch
@@ -63,9 +61,8 @@ class WeightAverage:
 
     @torch.no_grad()
     def evaluate(self, model, *args) -> dict:
-        """common.recipe.evaluation.evaluate(model, *args) with the averaged weights in the model,
-        the trained ones put back after: {"test_acc_ema": accuracy}, for the epoch's metrics; {}
-        when off."""
+        """common.recipe.evaluation.evaluate(model, *args) with the averaged weights, the trained
+        ones put back after: {"test_acc_ema": accuracy}, for the epoch's metrics; {} when off."""
         if not self.decay:
             return {}
         trained = [t.clone() for t in self.live]

@@ -221,15 +221,13 @@ def _check_image_size(probe: nn.Module, name: str, num_classes: int, size: int) 
     smallest = _bisect(probe, num_classes, 7, REFERENCE_SIZE)
     largest = (_bisect(probe, num_classes, REFERENCE_SIZE, 2 * REFERENCE_SIZE) - 1
                if _cannot_train(probe, num_classes, 2 * REFERENCE_SIZE) else None)
+    what, fix = f"takes {REFERENCE_SIZE}x{REFERENCE_SIZE} images", f"{REFERENCE_SIZE}"
     if smallest == largest:
         what, fix = f"takes {smallest}x{smallest} images only", f"{smallest}"
-    elif largest is not None:
+    elif largest is not None:  # the reference size is among them
         what = f"takes images from {smallest}x{smallest} to {largest}x{largest} only"
-        fix = f"{REFERENCE_SIZE}"
     elif size < smallest:
         what, fix = f"needs images of at least {smallest}x{smallest}", f"{smallest} or more"
-    else:
-        what, fix = f"takes {REFERENCE_SIZE}x{REFERENCE_SIZE} images", f"{REFERENCE_SIZE}"
     raise UserError(f"--model {name} {what}, not {size}x{size} ({why}); pass --image-size {fix}")
 
 

@@ -25,8 +25,7 @@ from common.errors import UserError
 from common.files import atomic_write
 
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
-# The launched job that took the folder last (this_job): its restarted workers continue there
-JOB_FILE = ".job"
+JOB_FILE = ".job"  # the launched job that took the folder last: its restarted workers go on there
 # The job's id from its scheduler, when the scheduler starts the whole job again with new processes
 # on new hosts and counts nothing (a Kubernetes JobSet restart, Kueue's resume): the same for every
 # start of one job, different for every other job. accelerate_configs/kubernetes/ sets it to the
@@ -36,8 +35,7 @@ JOB_ID_VARIABLE = "TRAINING_JOB_ID"
 SET_ASIDE = ".config.json.before-restart"
 
 def lock_run_folder(folder: Path) -> "RunLock":
-    """Take the run folder's lock for this job (its main process), or stop with one line naming the
-    job that holds it.
+    """Lock the run folder for this job's main process, or stop with one line naming its holder.
 
     The lock is ``flock`` on ``folder/.lock``: the kernel releases it when the process ends, however
     it ends (SIGKILL included), and on NFS lockd carries it to the other hosts. The file says who
@@ -47,8 +45,7 @@ def lock_run_folder(folder: Path) -> "RunLock":
     network filesystems), the file alone is the lock: one left by a process that no longer runs on
     this host, or by this job before a restart, is taken over; one from another host is not, as
     nothing here can tell whether that process still runs. Released at exit (``RunLock.release``):
-    the file is removed, and so are the folders made only for it when the run wrote nothing.
-    """
+    the file is removed, and so are the folders made only for it when the run wrote nothing."""
     folder = Path(folder)
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": this_job()}
@@ -57,15 +54,14 @@ def lock_run_folder(folder: Path) -> "RunLock":
         folder.mkdir(parents=True, exist_ok=True)
         previous = lock.acquire(me)
         lock.put_back_config()  # set aside by a job that died before it wrote its own
-    except OSError as error:
+    except (OSError, UserError) as error:
         lock.release()
+        if isinstance(error, UserError):
+            raise
         linked = error.errno == errno.ELOOP  # O_NOFOLLOW's answer: never written through
         why = "its .lock is a symbolic link: remove it" if linked else error.strerror
         raise UserError(f"cannot write in {folder} ({why or error}): choose an --output-dir you "
                         f"can write to") from None
-    except UserError:
-        lock.release()
-        raise
     if previous and not (me["job"] and previous.get("job") == me["job"]):
         print(f"warning: {lock.path} was left by {_holder(previous)}, which ended without "
               f"releasing it; this job takes the run over", file=sys.stderr, flush=True)
@@ -76,10 +72,9 @@ def this_job() -> str | None:
     """What stays the same when a job starts again by itself: the id its scheduler gives it
     (JOB_ID_VARIABLE), the SLURM job id (requeued, perhaps on another host), or the torchrun agent
     that restarts its workers; None for a plain process."""
-    if os.environ.get(JOB_ID_VARIABLE):
-        return f"job {os.environ[JOB_ID_VARIABLE]}"
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm job {os.environ['SLURM_JOB_ID']}"
+    for variable, kind in ((JOB_ID_VARIABLE, "job"), ("SLURM_JOB_ID", "slurm job")):
+        if os.environ.get(variable):
+            return f"{kind} {os.environ[variable]}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return (f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} on {socket.gethostname()}, "
                 f"agent pid {os.getppid()}")
@@ -101,7 +96,7 @@ def _holder(info: dict) -> str:
 class RunLock:
     """The lock one job holds on its run folder; ``lock_run_folder`` takes it."""
 
-    _held: list["RunLock"] = []  # released at exit, forgotten by forked children
+    _held: list["RunLock"] = []  # released at exit; forked children (DataLoader workers) forget it
     _hooked = False  # the hooks registered with the first lock taken: importing changes nothing
 
     def __init__(self, folder: Path):
@@ -150,11 +145,9 @@ class RunLock:
         self._refuse(_read_holder(self.path) or {})  # another job took it over at the same moment
 
     def _hold(self, fd: int, me: dict) -> None:
-        """Keep ``fd`` as this job's lock, released at exit, and write ``me`` (who holds it) in
-        it."""
+        """Keep ``fd`` as this job's lock, released at exit; write ``me`` (its holder) in it."""
         if not RunLock._hooked:
             atexit.register(RunLock._release_all)
-            # DataLoader workers must not release it
             os.register_at_fork(after_in_child=RunLock._forget_all)
             RunLock._hooked = True
         self.fd = fd
@@ -181,11 +174,9 @@ class RunLock:
     def put_back_config(self) -> None:
         """The set-aside config.json back in place, unless a new one was written."""
         aside, config = self.folder / SET_ASIDE, self.folder / "config.json"
-        if aside.exists():
-            if config.exists():
-                aside.unlink()
-            else:
-                os.replace(aside, config)
+        if aside.exists() and not config.exists():
+            os.replace(aside, config)
+        aside.unlink(missing_ok=True)
 
     def release(self) -> None:
         """Give the lock up: remove the file, then the folders made for it that stayed empty."""

@@ -45,8 +45,7 @@ def run_config(flags: dict, derived: dict) -> dict:
 
 
 # What makes a run the experiment it is beyond its flags (the batch size is one): a moved --data-dir
-# must hold the same data. The precision, which the Accelerate config may set, is compared on its
-# own.
+# must hold the same data. The precision (the Accelerate config may set it) is compared on its own.
 SAME_ON_RESUME = ("classes", "image_size", "normalization", "interpolation", "train_size", "loader",
                   "eval_split")
 
