@@ -63,7 +63,8 @@ LAUNCHING_TESTS = {
 # run beside everything else. None: the whole file.
 OWN_PORTS = {
     "test_ddp_lesson": None,  # torchrun --standalone
-    "test_kubernetes": None,  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
+    "test_kubernetes": None,
+    "test_nodes": None,  # in network namespaces of their own: their ports are their own  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
     # accelerate launch --num_processes 1 runs the script itself: no rendezvous, no port
     "test_fault_tolerance": {"test_killing_the_launcher_of_one_process_stops_the_training_process_with_a_checkpoint"},
     "test_fail_together": {"test_a_node_killed_during_start_up_ends_the_other_node_with_one_line"},  # a free port

@@ -6,9 +6,12 @@ The one exception is asked for: --share-gpus puts several processes on each GPU,
 launch for more GPUs than this machine has (its code paths, checkpoints and resume, not its speed).
 """
 
+import ipaddress
 import math
 import os
+import socket
 import time
+from contextlib import suppress
 
 import torch
 from accelerate.state import PartialState
@@ -107,6 +110,8 @@ def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
         _check_restarts()
         per_gpu, backend = plan_gpu_sharing(share, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                             torch.cuda.device_count(), nccl_version(), refuse_gloo)
+        if (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "gloo":
+            _check_hostname()
     except UserError:
         ignore_the_launchers_stop()  # every process meets the refusal: each exits 1 by itself
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -131,6 +136,30 @@ def _check_restarts() -> None:
         raise UserError("a restartable launch whose processes share the launcher's store can hang "
                         "in its restart: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and a "
                         "c10d rendezvous (--rdzv_backend c10d), as make ddp does")
+
+
+def _check_hostname() -> None:
+    """A job of several nodes over gloo: gloo gives the other nodes the address this node's name
+    resolves to (unless GLOO_SOCKET_IFNAME names an interface), and a name that /etc/hosts puts at
+    127.0.1.1, as Debian's installer does, is one they cannot reach: the first node fails in
+    Accelerator() ("Gloo connectFullMesh failed"), this one waits there until killed. Not where
+    node 0 is on loopback too: nodes rehearsed on one machine."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) \
+            or os.environ.get("GLOO_SOCKET_IFNAME") or _loopback(os.environ.get("MASTER_ADDR", "")):
+        return
+    if address := _loopback(socket.gethostname()):
+        raise UserError(f"this node's name, {socket.gethostname()}, resolves to {address}, a "
+                        f"loopback address (/etc/hosts), which gloo would give the other nodes: "
+                        f"set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on, "
+                        f"on every node (ip -brief addr lists them)")
+
+
+def _loopback(name: str) -> str | None:
+    """The address ``name`` resolves to, if it is a loopback one."""
+    with suppress(OSError, ValueError):
+        address = socket.gethostbyname(name)
+        return address if ipaddress.ip_address(address).is_loopback else None
+    return None
 
 
 def _wait_on_own_gpu(self) -> None:
