@@ -115,10 +115,9 @@ HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the othe
 # stop. Under Kubernetes' 30 s grace and SLURM's KillWait (30 s), which end it first there.
 STOPPING_S = 120.0
 STOPPING = threading.Event()  # set by common.parallel.step_guard as a stop signal comes
-# A process whose heartbeat (its watcher's, twice a second, through the store) stops this long is
-# stalled (stopped, a frozen node, cut off): the process before it says so and the job ends, not at
-# --dist-timeout. A quarter of that if less, 10 s at least (_stall_s). Evaluations, checkpoints and
-# compiles do not count: the beat is the watcher thread's, not the training loop's.
+# A process whose heartbeat (its watcher thread's, in the store) stops this long is stalled: the one
+# before it says so and the job ends, not at --dist-timeout (a quarter of it if less, 10 s at least:
+# _stall_s). A long evaluation, checkpoint or compile is no silence: the loop does not beat.
 STALL_S = 60.0
 BEAT = {"step": 0}  # this process's last optimizer step (common.parallel.step_guard), in its beat
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies

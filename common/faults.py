@@ -1,9 +1,7 @@
 """The faults a process meets by no fault of its code, each said in one line with what to do.
 
-Another process lost in a collective, the store through which the processes meet lost, a collective
-that waited out --dist-timeout, a DataLoader worker killed (as the out-of-memory killer kills), the
-memory run out: common.failures' watch says the line of the one it meets, instead of a traceback.
-"""
+Another process or the store lost, a collective timed out, a DataLoader worker killed, no memory:
+common.failures' watch says the line of the one it meets, instead of a traceback."""
 
 import re
 

@@ -127,10 +127,9 @@ def set_gpu_sharing(share: str | None, refuse_gloo=None) -> str | None:
 
 
 def _check_restarts() -> None:
-    """A restartable launch (--max_restarts) whose processes share the launcher's store (a static
-    rendezvous always; a c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts into an
-    Accelerator() that can hang, or fail in "Gloo connectFullMesh": refused before the process
-    group is made, so that the refusal's own restart cannot hang."""
+    """A restartable launch whose processes share the launcher's store (a static rendezvous, or a
+    c10d one without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) can hang in Accelerator() at a restart:
+    refused before the process group is made, so that the refusal's own restart cannot hang."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         raise UserError("a restartable launch whose processes share the launcher's store can hang "
@@ -139,11 +138,10 @@ def _check_restarts() -> None:
 
 
 def _check_hostname() -> None:
-    """A job of several nodes over gloo: gloo gives the other nodes the address this node's name
-    resolves to (unless GLOO_SOCKET_IFNAME names an interface), and a name that /etc/hosts puts at
-    127.0.1.1, as Debian's installer does, is one they cannot reach: the first node fails in
-    Accelerator() ("Gloo connectFullMesh failed"), this one waits there until killed. Not where
-    node 0 is on loopback too: nodes rehearsed on one machine."""
+    """Several nodes over gloo: gloo gives the others the address this node's name resolves to
+    (unless GLOO_SOCKET_IFNAME names an interface), and 127.0.1.1 (Debian's /etc/hosts) they cannot
+    reach: node 0 fails in Accelerator(), this one waits until killed. Not where node 0 is on
+    loopback too (nodes rehearsed on one machine)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) \
             or os.environ.get("GLOO_SOCKET_IFNAME") or _loopback(os.environ.get("MASTER_ADDR", "")):
         return
@@ -156,9 +154,8 @@ def _check_hostname() -> None:
 
 def _loopback(name: str) -> str | None:
     """The address ``name`` resolves to, if it is a loopback one."""
-    with suppress(OSError, ValueError):
-        address = socket.gethostbyname(name)
-        return address if ipaddress.ip_address(address).is_loopback else None
+    with suppress(OSError):
+        return (address := socket.gethostbyname(name)) * ipaddress.ip_address(address).is_loopback
     return None
 
 
