@@ -3,11 +3,10 @@
     data = load_image_data("cifar10")                      # decoded, uint8 (N, 3, 32, 32)
     data = load_image_data(data_dir="~/data/cifar10")      # a local copy, decoded the same way
 
-A second run starts in about a second, and a cached Hub dataset loads with no network access at
-all. A file's name is its key: the Hub repository, or a digest of a local copy's file names,
-sizes and times; then the size, the interpolation unless it is bilinear (the names of the files
-every earlier run wrote, all bilinear, stay theirs) and whether unreadable images were skipped.
-Synthetic data is made again each time, never cached.
+A second run starts in about a second, and a cached Hub dataset loads with no network access. A
+file's name is its key: the Hub repository, or a digest of a local copy's file names, sizes and
+times; then the size, the interpolation unless bilinear (so earlier runs' files, all bilinear, keep
+their names) and whether unreadable images were skipped. Synthetic data is never cached.
 """
 
 import dataclasses
@@ -123,15 +122,13 @@ def _saved(path: Path) -> ImageData:
     saved = torch.load(path, weights_only=True, mmap=True)
     if path.stem.endswith("-skip") and "skipped" not in saved:  # its --val-fraction would differ
         raise ValueError("written before the images skipped were recorded")
-    # a cache that an older version wrote of data of one class
-    check_classes(saved["train_labels"], saved["classes"], saved["source"])
+    check_classes(saved["train_labels"], saved["classes"], saved["source"])  # old one-class caches
     return ImageData(**saved)
 
 
 def _files_key(root: Path, files: list[Path]) -> str:
     """A digest of where the files are and of their names, sizes and modification times."""
-    # os.fsencode: the bytes of the names, also of those that are not UTF-8
-    digest = hashlib.sha256(os.fsencode(root.resolve()))
+    digest = hashlib.sha256(os.fsencode(root.resolve()))  # fsencode: bytes, UTF-8 or not
     for file in sorted(files):
         st = file.stat()
         digest.update(b"\0" + os.fsencode(file.relative_to(root))

@@ -16,15 +16,14 @@ Where the weights come from:
   and torchvision's ResNets share their keys, so either library's file loads into either.
 Without the file or a network, one line says where it must be: never a hang or a silent random init.
 
-The inputs: mean, std, input size and interpolation come from the weights' own config (timm's
-pretrained config, torchvision's weight transforms, or the metadata of one of our runs'
-model.safetensors), so a run normalises and resizes as the weights were trained, not with its
-folder's statistics. Every resize of the data path (the decode cache, the evaluation view, the
-random-resized crops of both loaders) is antialiased and takes their interpolation, bilinear
-(torchvision's weights) or bicubic (timm's ResNets); any other (timm's "random", "nearest") is
-resized bilinear, with a warning in fine_tune's line (Weights.resize_interpolation). config.json
-records what the weights say (fine_tune) and what the run used (interpolation), model.safetensors
-the latter, which scripts/evaluate.py and a later --pretrained-path of the file take.
+The inputs: mean, std, input size and interpolation come from the weights' config (timm's pretrained
+config, torchvision's weight transforms, or our runs' model.safetensors' metadata): a run normalises
+and resizes as the weights were trained, not with its folder's statistics. Every resize of the data
+path (the decode cache, the evaluation view, both loaders' random-resized crops) is antialiased with
+their interpolation, bilinear (torchvision's weights) or bicubic (timm's ResNets); any other (timm's
+"random", "nearest") is bilinear (Weights.resize_interpolation), warned in fine_tune's line.
+config.json records what the weights say (fine_tune) and what the run used (interpolation),
+model.safetensors the latter, read by scripts/evaluate.py and a later --pretrained-path of it.
 """
 
 import dataclasses

@@ -4,11 +4,10 @@
     source = open_source("food101")                        # any Hub dataset with image and label
     source = open_source(data_dir="~/data/imagenet")       # a local copy, format detected
 
-Each split stays undecoded: image files, rows of a memory-mapped Arrow table, or rows of a
-tensor. The evaluation split is ``test`` when it has labels, else ``validation`` (or val,
-valid); with ``val_fraction`` it is carved from train instead, seeded and stratified by class,
-the same images on both input paths: ``carve`` splits an undecoded source (workers),
-``carve_decoded`` the decoded tensors (device).
+Each split stays undecoded: image files, memory-mapped Arrow rows, or tensor rows. The evaluation
+split is ``test`` when it has labels, else ``validation`` (or val, valid); with ``val_fraction`` it
+is carved from train instead, seeded and stratified by class, the same images on both input paths:
+``carve`` splits an undecoded source (workers), ``carve_decoded`` the decoded tensors (device).
 """
 
 import dataclasses

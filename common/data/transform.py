@@ -1,12 +1,11 @@
 """The augmentation: the crop both loaders draw, and a batch's on the device (crop, flip, mix).
 
-A batch arrives as uint8 (B, 3, H, W) from either loader and is turned into a normalised float
-batch in a few tensor operations on the device that trains. On the device path the crop and flip
-happen here too, for the whole batch at once: per-image PIL transforms on CPU workers were the
-bottleneck in the source articles (docs/benchmark: about 5,600 img/s with torchvision's CIFAR10
-pipeline and 2 workers against 31,000 img/s this way on 2 CPU cores). The workers path crops one
-image at a time (common.data.workers, a box from ``resized_crop_box``); both follow the crop rules
-here (crop_mode, the boxes, per-sample seeds), so --loader does not change the recipe.
+A uint8 (B, 3, H, W) batch from either loader becomes a normalised float batch in a few tensor
+operations on the training device. The device path crops and flips here too, a batch at once:
+per-image PIL transforms on CPU workers were the source articles' bottleneck (docs/benchmark, 2 CPU
+cores: about 5,600 img/s with torchvision's CIFAR10 pipeline and 2 workers, 31,000 img/s here). The
+workers path (common.data.workers) crops an image at a time (a box from ``resized_crop_box``); both
+follow the crop rules here (crop_mode, the boxes, per-sample seeds): --loader keeps the recipe.
 
 MixUp and CutMix (--mixup, --cutmix, BatchMix): a training batch blended with itself in another
 order, its labels turned into the classes' shares, drawn from a seed per batch. MixUp (Zhang et al.
@@ -81,8 +80,7 @@ class BatchTransform:
                  erase: float = 0.0, interpolation: str = "bilinear"):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        self.augment = augment
-        self.erase = erase  # --random-erase: the probability of erasing a rectangle of an image
+        self.augment, self.erase = augment, erase  # erase: --random-erase's probability per image
         self.interpolation = interpolation  # of the random-resized crop's enlargement
         # NHWC batches for a model converted to channels_last, so no layer has to reorder its input.
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -175,13 +173,12 @@ def bicubic_crops(images: torch.Tensor, top, left, height, width, flipped) -> to
     size, mirrored where ``flipped``: float (B, C, H, W) with the values of torchvision's
     resized_crop(image.float(), box, size, BICUBIC, antialias=True), which the workers path does.
 
-    Not grid_sample's bicubic: its kernel is Keys' a = -0.75, that of torch's resize without
-    antialiasing, where torchvision's antialiased resize has PIL's -0.5 (timm trained with PIL);
-    and its taps near a crop's edge read the pixels beyond it, where a resize of the crop repeats
-    the edge: on uniform noise at 96 px, up to 25 of 255 off inside the crop, 46 at its edges. So
-    the antialiased resize's own weights (aten's UpSampleKernel.cpp, _compute_weights_aa; only
-    enlarging, 4 taps), applied as it does, rows then columns: element-wise, in float32 (a matmul
-    would round the pixels to TF32 under --tf32)."""
+    Not grid_sample's bicubic: its kernel is Keys' a = -0.75 (torch's unantialiased resize), not
+    PIL's -0.5 of torchvision's antialiased one (timm trained with PIL); and near a crop's edge its
+    taps read the pixels beyond it, where a resize of the crop repeats the edge: on uniform noise at
+    96 px, up to 25 of 255 off inside the crop, 46 at its edges. So the antialiased resize's own
+    weights (aten's UpSampleKernel.cpp, _compute_weights_aa; only enlarging, 4 taps), applied as it
+    does, rows then columns, element-wise in float32 (a matmul would round to TF32 under --tf32)."""
     h, w = images.shape[-2:]
     images = _resample(images.float(), 2, *_bicubic_taps(top, height, h))
     return _resample(images, 3, *_bicubic_taps(left, width, w, flipped))
@@ -234,8 +231,7 @@ def erase_rectangles(images: torch.Tensor, probability: float,
     3.3, value 0: the mean, once normalised) for each image of a float batch with ``probability``,
     drawn for the whole batch at once. A box that does not fit, clipped at the borders (torchvision
     tries 10 times, then erases nothing)."""
-    b, _, h, w = images.shape
-    device = images.device
+    (b, _, h, w), device = images.shape, images.device
     uniform = torch.rand(b, 5, device=device, generator=generator)
     area = h * w * (0.02 + (1 / 3 - 0.02) * uniform[:, 0])
     aspect = torch.exp(math.log(0.3) + (math.log(1 / 0.3) - math.log(0.3)) * uniform[:, 1])

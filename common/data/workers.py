@@ -39,8 +39,7 @@ def augment(image: torch.Tensor, size: int, rng: random.Random, policy=None,
     if not crop:
         image = fit(image, size, interpolation)
     elif crop_mode(size) == "pad":  # the device path's BatchTransform, one image at a time
-        # zeros, as torchvision's RandomCrop
-        image = v2.functional.pad(fit(image, size, interpolation), [PADDING])
+        image = v2.functional.pad(fit(image, size, interpolation), [PADDING])  # zeros: RandomCrop's
         top, left = rng.randint(0, 2 * PADDING), rng.randint(0, 2 * PADDING)
         image = v2.functional.crop(image, top, left, size, size)
     else:
@@ -130,13 +129,12 @@ def default_workers(processes_per_node: int = 1) -> int:
 
 def _init_worker(seed: int, process: int, exiting, worker: int) -> None:
     """Seeds each worker's numpy, random and torch generators from (seed, process, worker), for any
-    transform added that draws from them (ours draw per sample and do not need it), and keeps the
-    worker alive through the job's stop signals. DataLoader seeds all three itself, but from
-    base_seed + worker, base_seed drawn from the training process's torch generator, which
-    set_seed(args.seed) makes the same on every process: worker k of each process then draws the
-    same numbers (checked, torch 2.14), so the process is added here. The signals: SLURM signals
-    every process of a job, Ctrl-C and a closed terminal the whole process group; the training
-    process decides (it saves and stops), and a worker that died of one would fail the step it
+    transform added that draws from them (ours draw per sample), and keeps the worker alive through
+    the job's stop signals. DataLoader seeds all three from base_seed + worker, base_seed drawn from
+    the training process's torch generator, which set_seed(args.seed) makes alike on every process:
+    worker k of each process would draw the same numbers (checked, torch 2.14). The signals: SLURM
+    signals every process of a job, Ctrl-C and a closed terminal the whole process group; the
+    training process decides (it saves and stops), and a worker dead of one would fail the step it
     finishes before it saves (common.parallel.step_guard.StepGuard). SIGTERM still ends a worker
     once its training process is exiting (``exiting``, its _exiting() flag): multiprocessing
     terminates the workers left then, and waits for them."""

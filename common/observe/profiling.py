@@ -5,14 +5,13 @@ the operations that cost most per step, printed when the run ends.
     ...  profiler.step()       # after each optimizer step
     profiler.finish()          # the table (main process); the trace files are written by then
 
-``--profile N`` traces N optimizer steps after the first SKIP_STEPS of this launch (the first steps
-allocate memory, search cuDNN's algorithms and compile); ``--profile S:N`` after S of them. The
-profiler is Accelerate's (``ProfileKwargs(...).build()``: torch.profiler with a schedule of one
-warm-up step, then N recorded), so it costs nothing on the steps outside it. Each process writes
-RUN/profile/trace_rank<N>.json, a Chrome trace that Perfetto (ui.perfetto.dev) and
-chrome://tracing open. Two tables: each op's calls and self time per step, on the CPU and on the
-GPU, the top ROWS by the time of the device that trains; and the same time by what the training
-loop called to run it (the model's forward, the backward, the optimizer, the augmentation, the stop
+``--profile N`` traces N optimizer steps after the first SKIP_STEPS of this launch (which allocate
+memory, search cuDNN's algorithms and compile); ``--profile S:N`` after S. The profiler is
+Accelerate's (``ProfileKwargs(...).build()``: torch.profiler scheduled for one warm-up step, then N
+recorded), free on the steps outside it. Each process writes RUN/profile/trace_rank<N>.json, a
+Chrome trace for Perfetto (ui.perfetto.dev) or chrome://tracing. Two tables: each op's calls and
+self CPU and GPU time per step, the top ROWS by the training device's time; and the same time by
+what the loop called to run it (the forward, the backward, the optimizer, the augmentation, the stop
 check, the loader ...), from each op's Python stack: the per-step work outside the model, counted.
 """
 

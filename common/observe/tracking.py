@@ -1,10 +1,9 @@
 """What a run reports as it trains: the one log line per epoch, and the trackers (--report-to).
 
-The log line (``log_line``) prints the values of metrics.jsonl, greppable, in the same order in
-every script. The trackers are Accelerate's own (wandb, TensorBoard, MLflow; several at once if
-asked) and never in the way: Accelerate starts them on the main process only, however many
-processes the job has, and each gets the run's configuration, the per-step loss, lr and img/s and
-every epoch's metrics.jsonl row, at the global optimizer step.
+The log line (``log_line``) prints metrics.jsonl's values, greppable, in the same order in every
+script. The trackers are Accelerate's own (wandb, TensorBoard, MLflow; together if asked) and never
+in the way: started on the main process only, and each gets the run's configuration, the per-step
+loss, lr and img/s and every epoch's metrics.jsonl row, at the global optimizer step.
 
 - wandb: one run per job. Its id is kept in the training state, so --resume (and an automatic
   restart) continues the same run. Without an API key or WANDB_MODE, the run is written offline
@@ -39,9 +38,8 @@ from common.observe.utilisation import DataWait, GpuBusy, utilisation_figures
 from common.run.record import flat_config, write_config, write_metrics
 
 DEFAULT_PROJECT = "multigpu-cifar"
-# Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT to change):
-# the other processes of a job wait for the main one meanwhile, so it must stay well under
-# --dist-timeout (600 s), and under wandb's own 90 s.
+# Seconds wandb may take to start before the run goes on without it (WANDB_INIT_TIMEOUT overrides):
+# the other processes wait meanwhile, so well under --dist-timeout (600 s) and wandb's own 90 s.
 START_TIMEOUT = 60
 MLFLOW_REQUEST_TIMEOUT = 10  # seconds an MLflow server may take to answer one request
 TENSORBOARD_DIR = "tensorboard"  # under --output-dir: tensorboard --logdir RUN/tensorboard
@@ -61,11 +59,10 @@ def has_wandb_credentials() -> bool:
 
 
 def installed_trackers(report_to: list[str]) -> list | None:
-    """``Accelerator(log_with=...)`` for --report-to: the trackers whose package is installed
-    (start_tracking warns about the others); None for none. TensorBoard's is given as Accelerate's
-    tracker object, of no folder yet (start_tracking sets it): Accelerator() wants the folder of a
-    tracker given by name at once (a ValueError otherwise), and the run folder is known only once
-    it is locked (common.run.folder), after the Accelerator is made."""
+    """``Accelerator(log_with=...)`` for --report-to: the installed trackers (start_tracking warns
+    of the others); None for none. TensorBoard's as Accelerate's tracker object, no folder yet
+    (start_tracking sets it): Accelerator() wants a named tracker's folder at once (a ValueError),
+    and the run folder is known only once locked (common.run.folder), later than Accelerator()."""
     available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
     return [TensorBoardTracker(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
             else name for name in dict.fromkeys(report_to) if name in available] or None
@@ -97,9 +94,8 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
     if "mlflow" in names:
         init["mlflow"], new_run["mlflow"] = _mlflow_init(accelerator, output_dir, progress, name)
     requested, started, failed = accelerator.log_with, [], []
-    # One at a time, so that a server that fails takes its own tracker only; each alone in
-    # accelerator.trackers, as init_trackers starts every tracker there (a second wandb run, and
-    # MLflow's "already active" refusal, otherwise).
+    # One at a time: a failing server takes only its own tracker. Alone in accelerator.trackers,
+    # as init_trackers starts all there (else a second wandb run, MLflow's "already active" refusal)
     for tracker, tracker_name in zip(requested, names):
         if isinstance(tracker, TensorBoardTracker):  # TensorBoardTracker.start joins the two
             tracker.run_name, tracker.logging_dir_param = project, str(output_dir / TENSORBOARD_DIR)
@@ -232,9 +228,8 @@ def record_epoch(accelerator, output_dir: Path, history: list[dict], metrics: di
 
 
 class StepLogger:
-    """Per-step loss, lr and throughput, every ``every`` optimizer steps.
-
-    ``loss.item()`` waits for the device, so it is read only at those steps, not every step."""
+    """Per-step loss, lr and throughput, every ``every`` optimizer steps: only then is
+    ``loss.item()``, which waits for the device, read."""
 
     def __init__(self, accelerator, every: int, batch_size: int):
         self.accelerator, self.every, self.batch_size = accelerator, every, batch_size

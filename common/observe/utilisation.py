@@ -1,13 +1,12 @@
 """Each GPU's utilisation over an epoch, the figure nvidia-smi shows: NVML read by a thread beside
 training, never in the training step (no host-device synchronisation).
 
-NVML's utilisation is the share of the last sample period (1/6 s to 1 s, by GPU) in which a kernel
-ran on the GPU; it is read every SAMPLE_SECONDS through torch.cuda.utilization (the nvidia-ml-py
-package) and averaged over the epoch. A process reads the GPUs it trains on: its own, or
-DataParallel's replicas' (common.observe.tracking.EpochMeter); the job's figures are gathered (one
-value per GPU, in process order). Where there is no GPU, or no NVML, ``why_absent`` says why, in
-the field metrics.jsonl then holds instead (gpu_util_absent). Beside it, each process's peak of
-allocated GPU memory (peak_memory); and how long training waited for its batches (DataWait).
+NVML's utilisation is the share of its last sample period (1/6 s to 1 s, by GPU) with a kernel
+running; read every SAMPLE_SECONDS through torch.cuda.utilization (nvidia-ml-py) and averaged over
+the epoch. A process reads the GPUs it trains on (common.observe.tracking.EpochMeter): its own, or
+DataParallel's replicas'; the job's figures are gathered (one value per GPU, in process order).
+Without a GPU or NVML, ``why_absent`` says why in metrics.jsonl's gpu_util_absent. Beside it, each
+process's peak allocated GPU memory (peak_memory); and training's wait for its batches (DataWait).
 """
 
 import threading
@@ -102,8 +101,7 @@ class DataWait:
     ``seconds`` is called once an epoch."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.spans, self.total, self.tick = [], 0.0, None
+        self.cuda, self.spans, self.total, self.tick = device.type == "cuda", [], 0.0, None
 
     def start(self) -> None:
         """At the end of a step (and before the first)."""

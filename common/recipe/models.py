@@ -91,8 +91,7 @@ def check_model_name(name: str) -> None:
     rule = "NAME is any of torchvision.models.list_models(module=torchvision.models)"
     if name.startswith(TORCHVISION_PREFIX):
         tv_name = name.removeprefix(TORCHVISION_PREFIX)
-        # module= keeps classification models only (no detection, segmentation, video).
-        tv_names = torchvision.models.list_models(module=torchvision.models)
+        tv_names = torchvision.models.list_models(module=torchvision.models)  # classifiers only
         if tv_name not in tv_names:
             close = difflib.get_close_matches(tv_name, tv_names, n=5)
             hint = ("closest: " + ", ".join(TORCHVISION_PREFIX + match for match in close) if close
@@ -215,9 +214,8 @@ def _check_image_size(probe: nn.Module, name: str, num_classes: int, size: int) 
     if _cannot_train(probe, num_classes, REFERENCE_SIZE) is not None:
         raise UserError(f"--model {name} cannot take {size}x{size} images ({why}); try "
                         f"another --image-size or --model")
-    # The sizes it takes around the reference size, by bisection: too small an input is what
-    # fails in the models that take a range of sizes (inception_v3, alexnet, convnext ...), and
-    # another than the one it was built for in those made for one (the ViTs, maxvit).
+    # By bisection around the reference size: models of a range of sizes (inception_v3, alexnet,
+    # convnext ...) fail on too small an input, those made for one (the ViTs, maxvit) on any other.
     smallest = _bisect(probe, num_classes, 7, REFERENCE_SIZE)
     largest = (_bisect(probe, num_classes, REFERENCE_SIZE, 2 * REFERENCE_SIZE) - 1
                if _cannot_train(probe, num_classes, 2 * REFERENCE_SIZE) else None)

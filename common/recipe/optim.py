@@ -8,8 +8,7 @@ import torch
 
 from common.recipe.models import classifier_name
 
-# --lr when not given, by --optimizer: SGD's for training from scratch (the articles' 0.1), AdamW's
-# usual fine-tuning rate.
+# --lr's default by --optimizer: SGD's from scratch (the articles' 0.1), AdamW's usual fine-tuning
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 
 

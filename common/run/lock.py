@@ -26,10 +26,9 @@ from common.files import atomic_write
 
 LOCK_FILE = ".lock"  # held by the main process of the job that writes the run
 JOB_FILE = ".job"  # the launched job that took the folder last: its restarted workers go on there
-# The job's id from its scheduler, when the scheduler starts the whole job again with new processes
-# on new hosts and counts nothing (a Kubernetes JobSet restart, Kueue's resume): the same for every
-# start of one job, different for every other job. accelerate_configs/kubernetes/ sets it to the
-# JobSet's uid through the downward API.
+# The job's id from its scheduler, when it starts the whole job again with new processes on new
+# hosts and counts nothing (a Kubernetes JobSet restart, Kueue's resume): one per job, the same at
+# each of its starts. accelerate_configs/kubernetes/ sets it to the JobSet's uid (downward API).
 JOB_ID_VARIABLE = "TRAINING_JOB_ID"
 # config.json of a run started again from step 0, until replaced (common.run.folder sets it aside)
 SET_ASIDE = ".config.json.before-restart"
@@ -37,15 +36,14 @@ SET_ASIDE = ".config.json.before-restart"
 def lock_run_folder(folder: Path) -> "RunLock":
     """Lock the run folder for this job's main process, or stop with one line naming its holder.
 
-    The lock is ``flock`` on ``folder/.lock``: the kernel releases it when the process ends, however
-    it ends (SIGKILL included), and on NFS lockd carries it to the other hosts. The file says who
-    holds it (host, pid, since when, the job) for the message. A file whose lock is free was left by
-    a job that died: this one takes it over with one line, quietly when it is this job's own earlier
-    life (a worker restarted by torchrun, a SLURM job requeued). Where flock is not offered (some
-    network filesystems), the file alone is the lock: one left by a process that no longer runs on
-    this host, or by this job before a restart, is taken over; one from another host is not, as
-    nothing here can tell whether that process still runs. Released at exit (``RunLock.release``):
-    the file is removed, and so are the folders made only for it when the run wrote nothing."""
+    The lock is ``flock`` on ``folder/.lock``: the kernel releases it however the process ends
+    (SIGKILL included), and on NFS lockd carries it to other hosts. The file names its holder (host,
+    pid, since when, the job) for the message. A free lock's file is a dead job's: this one takes it
+    over with one line, quietly if it is this job's earlier life (a worker restarted by torchrun, a
+    SLURM job requeued). Without flock (some network filesystems), the file alone is the lock: one
+    of a process no longer running on this host, or of this job before a restart, is taken over; one
+    from another host is not (that process may still run). Released at exit (``RunLock.release``):
+    the file removed, with the folders made for it alone if the run wrote nothing."""
     folder = Path(folder)
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "job": this_job()}

@@ -1,8 +1,7 @@
 """The final weights: model.safetensors, a plain state dict with what evaluation needs.
 
 Training writes it at the end of a run (``save_weights``); scripts/evaluate.py reads it back
-(``load_weights``, ``read_metadata``), and so does any code that loads the weights into a plain
-model.
+(``load_weights``, ``read_metadata``), as does any code that loads it into a plain model.
 """
 
 import json
