@@ -110,9 +110,8 @@ STORE_S = 5.0  # an answer of the store at most: a stopped host never answers, w
 TRACKERS_S = 10.0  # at most for the trackers' last records before this process ends
 EXIT_S = 10.0  # at most for the exit handlers: wandb's waits for its service process to end
 HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the others (end_now)
-# At most for a stop in progress (a stop signal came: its step and checkpoint are being finished)
-# once the store is lost: a launcher killed outright takes its store, and its death signal is the
-# stop. Under Kubernetes' 30 s grace and SLURM's KillWait (30 s), which end it first there.
+# At most for a stop in progress once the store is lost (a launcher killed outright takes its store,
+# and its death signal is the stop); Kubernetes' 30 s grace and SLURM's KillWait end it first there.
 STOPPING_S = 120.0
 STOPPING = threading.Event()  # set by common.parallel.step_guard as a stop signal comes
 # A process whose heartbeat (its watcher thread's, in the store) stops this long is stalled: the one
@@ -244,11 +243,10 @@ def _own_line(accelerator) -> None:
 
 
 def _stop_watching(stop: threading.Event, thread: threading.Thread, store, me: str) -> None:
-    """At exit, the watcher out of the store before Python's shutdown: a daemon thread that it
-    finds inside a C++ call (the store's) is ended there, and the process aborts ("terminate
-    called without an active exception"); then its beat says "ended", which no one takes for a
-    stall. Not when end_now runs the exit handlers (another thread holds _ENDING): it ends the
-    process with os._exit, and the watcher may be waiting for it."""
+    """At exit, the watcher out of the store before Python's shutdown (a daemon thread that it finds
+    inside a C++ call, the store's, aborts the process: "terminate called"); then its beat says
+    "ended", no stall. Not when end_now runs the exit handlers (another thread holds _ENDING): it
+    ends the process with os._exit, and the watcher may be waiting for it."""
     stop.set()
     if _ENDING.acquire(blocking=False):  # a normal exit: a watcher that wakes now ends nothing
         thread.join(timeout=STORE_S + 1)
@@ -266,8 +264,7 @@ def _stall_s(accelerator) -> float:
 
 
 def _silence(store, peer: str, heard: list) -> float:
-    """Seconds since process ``peer``'s beat last changed (``heard``: the beat last read, and when
-    it changed); 0 before its first beat and after its end."""
+    """Seconds since ``peer``'s beat changed (``heard``: last read, when); 0 before, or ended."""
     key = f"beat-{peer}"
     beat = _bounded(STORE_S, store.get, key).decode() if _bounded(STORE_S, store.check, [key]) \
         else None
@@ -280,8 +277,7 @@ def _watch(store, me: str, accelerator, stop: threading.Event, stall_s: float) -
     """Another process's failure, or the store's, read from the store: this process ends, unless
     within GRACE_S it ends by itself, with its own failure met in a collective (gloo's fail at
     once) or at the job's end (the store's host exits first). Each poll also posts this process's
-    beat and reads the next one's: silent for ``stall_s``, it is said stalled and the job ends.
-    Until ``stop`` is set."""
+    beat and reads the next one's: silent for ``stall_s``, it is stalled. Until ``stop`` is set."""
     peer, host = str((int(me) + 1) % accelerator.num_processes), socket.gethostname()
     heard, beats = [None, time.monotonic()], 0
     while not stop.wait(POLL_S):

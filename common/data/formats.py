@@ -36,9 +36,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".ti
 # numpy 1's name, numpy._core numpy 2's) and _codecs.encode, by which protocol 2 pickles bytes.
 ARRAYS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
           ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
-# The dtypes of datasets' Value and Array features (pyarrow's types). It makes one by calling the
-# pyarrow function of that name, pa.__dict__[dtype](): any other name in a dataset's metadata
-# would be called as the dataset is read (pyarrow.show_versions prints its table).
+# The dtypes of datasets' Value and Array features (pyarrow's types). It calls pa.__dict__[dtype]():
+# any other name in a dataset's metadata would be called as it is read (show_versions prints).
 DTYPES = re.compile(r"null|bool|u?int(8|16|32|64)|float(16|32|64)?|double|(large_)?(string|binary)"
                     r"|(string|binary)_view|date(32|64)|(time(32|64)|timestamp|duration)\[[^]]*\]"
                     r"|decimal(32|64|128|256)\(\d+, ?-?\d+\)")
@@ -140,8 +139,8 @@ def _read_parquet(root: Path, files: list[Path], cache_dir: str | None) -> Image
 
 
 def _check_features(info, where) -> None:
-    """Raise ValueError where the features of ``info`` (a DatasetInfo's JSON, or the schema of an
-    Arrow or parquet file, which holds one in its metadata) name a dtype that is none of DTYPES."""
+    """Raise ValueError where the features of ``info`` (a DatasetInfo's JSON, or an Arrow or parquet
+    schema, whose metadata holds one) name a dtype that is none of DTYPES."""
     if not isinstance(info, dict):
         info = json.loads((info.metadata or {}).get(b"huggingface", b"{}")).get("info", {})
     todo = [info.get("features")]
@@ -214,9 +213,8 @@ def _read_image_folder(root: Path) -> ImageSource:
 
 def _images_in(split: Path, classes: list[str]) -> list[tuple[str, int]]:
     """(path, label) of each image in split/<class>/ and below, as torchvision's make_dataset lists
-    them (os.walk, links followed, each folder's files sorted, folders by path), but a folder that
-    holds the class folder or was met before is not walked (make_dataset's walk of a link to ..
-    never ends), and only regular files are taken (a FIFO named x.png would block its reader)."""
+    them, but no folder that holds the class folder or was met before is walked (a link to ..: no
+    end) and only regular files are taken (a FIFO named x.png would block its reader)."""
     found = []
     for label, name in enumerate(classes):
         walked, seen = [], {os.stat(above)[1:3] for above in (split / name).absolute().parents}

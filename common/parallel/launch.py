@@ -138,10 +138,9 @@ def _check_restarts() -> None:
 
 
 def _check_hostname() -> None:
-    """Several nodes over gloo: gloo gives the others the address this node's name resolves to
-    (unless GLOO_SOCKET_IFNAME names an interface), and 127.0.1.1 (Debian's /etc/hosts) they cannot
-    reach: node 0 fails in Accelerator(), this one waits until killed. Not where node 0 is on
-    loopback too (nodes rehearsed on one machine)."""
+    """Several nodes over gloo: gloo gives the others what this node's name resolves to (unless
+    GLOO_SOCKET_IFNAME names an interface), and 127.0.1.1 (Debian's /etc/hosts) they cannot reach.
+    Not where node 0 is on loopback too (nodes rehearsed on one machine)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) \
             or os.environ.get("GLOO_SOCKET_IFNAME") or _loopback(os.environ.get("MASTER_ADDR", "")):
         return

@@ -22,11 +22,10 @@ next's before they are added up: pytorch#169545, #96693; auto then compiles with
 CPU there are no CUDA graphs: Inductor compiles its CPU code as in the default mode (max-autotune
 also tunes its matrix kernels), as the start line says.
 
-Inductor's caches (FX graphs, AOTAutograd, Triton kernels) hold code it loads: pickles, .so and .py
-files. A cache others can write (runs/ on a shared volume, torch's default under /tmp, which
-another user can make first) would run their code, so each process compiles into a new folder of
-its own (0700, under the temporary folder) that goes with it; a restart compiles again (resnet20 on
-2 CPU cores: 67 s). TORCHINDUCTOR_CACHE_DIR, set, is used as it is: a folder only you can write.
+Inductor's caches hold code it loads (pickles, .so, .py): one others can write (runs/ on a shared
+volume; torch's default under /tmp, which another user can make first) would run theirs. So each
+process compiles into a new 0700 folder of its own in the temporary folder, gone with it; a restart
+compiles again (resnet20, 2 CPU cores: 67 s). TORCHINDUCTOR_CACHE_DIR, set, is used as it is.
 """
 
 import atexit

@@ -363,8 +363,7 @@ class TrainProgress:
 
 
 def _fits(key: str, value) -> bool:
-    """Whether ``value`` is one TrainProgress writes as ``key``: a count is a whole number from 0,
-    a run id text, each epoch of the history a record of record_epoch's."""
+    """Whether TrainProgress writes ``value`` as ``key``: counts from 0, run ids, epoch records."""
     if key.endswith("run_id"):
         return value is None or isinstance(value, str)
     if key == "history":
