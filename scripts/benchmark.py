@@ -85,6 +85,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -491,15 +492,18 @@ def run_checks(checks, single, plain, peaks, loops, args, steps, device, inputs=
 def failure_watch():
     """The failure watch of a multi-process run's processes
     (common.failures.watch_failures) as it runs beside their training loop: a thread
-    asking a TCPStore, twice a second, whether a process failed. The store is this process's own."""
+    asking a TCPStore, twice a second, whether a process failed, posting its heartbeat and
+    reading the next process's. The store is this process's own."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     stop = threading.Event()
-    thread = threading.Thread(target=failures._watch, args=(store, "0", None, stop), daemon=True)
+    job = SimpleNamespace(num_processes=2, is_main_process=True)  # process 1's beat: never posted
+    thread = threading.Thread(target=failures._watch, daemon=True,
+                              args=(store, "0", job, stop, failures.STALL_S))
     thread.start()
     try:
         yield store
     finally:
-        failures._stop_watching(stop, thread)
+        failures._stop_watching(stop, thread, store, "0")
 
 
 def store_question_seconds(questions: int = 200) -> float:

@@ -56,8 +56,7 @@ LAUNCHING_TESTS = {
     "test_train_ddp": {"test_two_process_ddp_matches_one_process", "test_two_nodes_on_loopback_match_one_process",
                        "test_a_ddp_checkpoint_resumes_in_train_single_with_its_weights"},
     "test_train_fsdp": {"test_without_gpus_it_refuses_in_one_line_and_writes_nothing"},
-    "test_faults_checkpoints": {"test_a_restartable_launch_that_shares_the_launchers_store_is_refused_and_the_advice_"
-                                "trains"},
+    "test_faults_checkpoints": {"test_a_restartable_launch_that_shares_the_launchers_store_is_refused"},
 }
 # Launches on ports of their own only (a free port, torchrun --standalone, PET_STANDALONE=1): they
 # run beside everything else. None: the whole file.

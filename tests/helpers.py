@@ -410,10 +410,16 @@ class Processes:
         return max(times) - min(times)
 
     def stderr(self, rank: int) -> str:
-        return (self.logs / f"rank{rank}.err").read_text()
+        return self._read(f"rank{rank}.err")
 
     def stdout(self, rank: int) -> str:
-        return (self.logs / f"rank{rank}.out").read_text()
+        return self._read(f"rank{rank}.out")
+
+    def _read(self, name: str) -> str:
+        """What a process wrote so far: nothing before its zygote has opened the file (a busy machine
+        forks late)."""
+        path = self.logs / name
+        return path.read_text() if path.exists() else ""
 
     def output(self) -> str:
         return "\n".join(f"--- rank {r} ({self.ended.get(r, ('running',))[0]}):\n{self.stdout(r)}{self.stderr(r)}"
