@@ -299,8 +299,8 @@ def _watch(store, me: str, accelerator, stop: threading.Event, stall_s: float) -
             failed, lost = _bounded(STORE_S, store.get, FIRST_FAILURE).decode(), None
         except Exception as error:  # noqa: BLE001 - the store's host ended or stopped
             failed, lost = None, error
-        grace = STOPPING_S if lost is not None and STOPPING.is_set() else GRACE_S
-        if failed == me or stop.wait(grace) or not threading.main_thread().is_alive():
+        if failed == me or stop.wait(GRACE_S) or lost is not None and STOPPING.is_set() and \
+                stop.wait(STOPPING_S) or not threading.main_thread().is_alive():  # a stop waits on
             return
         _claim_the_end()
         if lost is not None:
