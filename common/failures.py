@@ -130,12 +130,10 @@ def watch_failures(accelerator) -> None:
     they are in fails (gloo: "Connection closed by peer") or, if it waits (NCCL), a watcher thread
     that reads the store ends the process. A store that fails or does not answer (its host ended or
     stopped) is itself a failure of the job: each process says so and ends. Every process exits 1,
-    once, its trackers closed as failed, one process too. A process killed outright (out of memory,
-    SIGKILL) posts nothing: the first to lose it in a collective says so in one line. Failures the
-    processes agree on (``fail_together``) and stops (``announce_stop``) end as before. It
-    replaces the excepthook, and asks the kernel for SIGTERM if the launcher dies (`accelerate
-    launch` of one process passes no signal on). Call it as the Accelerator is made, and again
-    once the trackers have started: wandb's service puts its hook around the one it finds."""
+    once, its trackers closed as failed. A process killed outright (out of memory, SIGKILL) posts
+    nothing: the first to lose it in a collective says so. It replaces the excepthook, and asks for
+    SIGTERM if the launcher dies (`accelerate launch` of one process passes no signal on). Call it
+    as the Accelerator is made, and once the trackers have started (wandb wraps the hook there)."""
     if getattr(sys.excepthook, "watches", False):
         return
     previous = _without_wandbs_traceback(sys.excepthook)

@@ -36,16 +36,29 @@ def made(request):
         nodes.down(prefix)
 
 
-def launch_on_both(prefix: str, out: Path, *extra, env_extra=None, timeout=240) -> list[subprocess.Popen]:
-    """`accelerate launch` of train_ddp.py with the two-node config on node1 (machine rank 0) and node2, one
-    process each, BatchNorm frozen (the agreement flags): started, not waited for."""
+def accelerate_launch(rank: int) -> list[str]:
+    """One process on this node, machine rank ``rank`` of two: the two-node config."""
+    return [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "2nodes_4gpu.yaml"),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "node1"]
+
+
+def torchrun(rank: int) -> list[str]:
+    """Two processes on this node, of two nodes met through c10d's rendezvous on node1 (whose agent hosts it)."""
+    return [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "node1:29400", "--rdzv-id", "nodes", "--node-rank", str(rank)]
+
+
+def launch_on_both(prefix: str, out: Path, *extra, env_extra=None, launcher=accelerate_launch,
+                   own_disk: Path | None = None) -> list[subprocess.Popen]:
+    """train_ddp.py on node1 (machine rank 0) and node2 under ``launcher``, BatchNorm frozen (the agreement
+    flags): started, not waited for. ``own_disk``: node2 has a disk of its own there (a tmpfs), as nodes that
+    share no disk do."""
     env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(out.parent / ".cache"), **(env_extra or {}))
+    mount = ["sh", "-c", f'mount -t tmpfs node2-disk {own_disk} && exec "$@"', "sh"] if own_disk else []
     return [subprocess.Popen(nodes.command(rank + 1, [
-        str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "2nodes_4gpu.yaml"),
-        "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "node1",
-        FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, *UNTRACKED, *extra, "--output-dir", str(out)],
-        prefix=prefix), cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
+        *mount * rank, *launcher(rank), FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, *UNTRACKED,
+        *extra, "--output-dir", str(out)], prefix=prefix), cwd=out.parent.parent, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
 
 
 def test_each_node_has_its_name_and_address_and_no_route_out(made):
@@ -81,3 +94,44 @@ def test_a_node_whose_name_resolves_to_a_loopback_address_is_refused_and_the_adv
             for node in launch_on_both(prefix, out, env_extra={"GLOO_SOCKET_IFNAME": "eth0"})]
     assert all("done: step 5" in output for output in done), "\n".join(done)
     assert max_difference(weights(out), one_process) < 1e-5
+
+
+def test_two_nodes_of_two_processes_under_torchrun_checkpoint_and_resume_as_one_machine(made, one_process, tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2, c10d's rendezvous on node1: four processes, 16 images each, train
+    to the weights of one process at the global batch of 64, with checkpoints holding all four processes' states;
+    a new launch across the nodes resumed from step 2's checkpoint, into a new folder, ends with the same
+    weights."""
+    prefix = made(2, "mgct")
+    out, resumed = tmp_path / "runs" / "run", tmp_path / "runs" / "resumed"
+    out.parent.mkdir()
+    done = [node.communicate(timeout=300)[0] for node in launch_on_both(
+        prefix, out, "--checkpoint-every", "2", "--keep-checkpoints", "5", launcher=torchrun)]
+    assert "on 4 x cpu:0 (gloo), batch 64 (16 per device)" in done[0] and "done: step 5" in done[0], done[0]
+    assert all("Traceback" not in output for output in done), "\n".join(done)
+    assert max_difference(weights(out), one_process) < 1e-5
+    step_2 = out / "checkpoints" / "step_00000002"
+    assert {f"random_states_{rank}.pkl" for rank in range(4)} <= {path.name for path in step_2.iterdir()}
+    again = [node.communicate(timeout=300)[0] for node in launch_on_both(
+        prefix, resumed, "--resume", str(step_2), launcher=torchrun)]
+    assert "resumed from" in again[0] and "done: step 5" in again[0], again[0]
+    assert max_difference(weights(resumed), one_process) < 1e-5
+
+
+def test_a_run_folder_that_the_nodes_do_not_share_is_refused_in_one_line(made, tmp_path):
+    """Node 2 with a disk of its own where node 1 writes the run: its process would write its part of each
+    checkpoint where node 1 never reads it. Every process ends before the first step, the line naming the
+    folder, the node and the fix; node 2's disk holds nothing."""
+    prefix = made(2, "mgcd")
+    out = tmp_path / "runs" / "run"
+    out.parent.mkdir()
+    ended = launch_on_both(prefix, out, own_disk=out.parent)
+    said = [node.communicate(timeout=200)[0] for node in ended]
+    assert [node.returncode for node in ended] == [1, 1], "\n".join(said)
+    line = (f"error: {out} is not on a disk that every node shares: process 1 on node2 does not see the .lock "
+            f"that process 0 holds there, and each writes its part of a checkpoint; pass an --output-dir on a "
+            f"shared filesystem")
+    assert line in said[0].splitlines(), said[0]
+    # no traceback through the project's code (the launcher on node2 reports its process's exit 1 in its own)
+    assert all(f'File "{ROOT / "scripts"}' not in output and f'File "{ROOT / "common"}' not in output
+               and "epoch 1/1" not in output for output in said), "\n".join(said)
+    assert not out.exists()  # nothing written: the folder made for the lock is gone with it

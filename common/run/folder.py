@@ -7,12 +7,13 @@ and a run whose checkpoints are gone is not started again.
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 
 from common.errors import UserError
-from common.failures import fail_together, from_main
+from common.failures import agree, fail_together, from_main
 from common.run.checkpoints import (CHECKPOINT_DIR, STEP_DIR, WROTE_CHECKPOINTS, all_checkpoints,
                                     checkpoint_problem, latest_good_checkpoint)
 from common.run.lock import (JOB_ID_VARIABLE, LOCK_FILE, SET_ASIDE, lock_run_folder, read_job,
@@ -90,7 +91,10 @@ def lock_run_and_find_resume(accelerator, output_dir: str | None, resume: str | 
                 lock.release()
             decision[1] = error.message
     checkpoint, message = from_main(accelerator, decision)  # all have waited for the checks
-    if message:
+    if message or (message := agree(accelerator, None if (path / LOCK_FILE).exists() else (
+            f"{path} is not on a disk that every node shares: process {accelerator.process_index}"
+            f" on {socket.gethostname()} does not see the .lock that process 0 holds there, and "
+            f"each writes its part of a checkpoint; pass an --output-dir on a shared filesystem"))):
         fail_together(accelerator, message)  # one line, from the main process
     return path, checkpoint  # nothing written yet, so bad input leaves nothing
 
@@ -128,10 +132,8 @@ def _choose_checkpoint(path: Path, given: Path | None, resume: str | None,
                         f"{path / CHECKPOINT_DIR} ({_recorded_epochs(path) or 'no metrics.jsonl'})"
                         f": put them back, or start a new run in another --output-dir; nothing of "
                         f"the run was changed")
-    # The run stopped before its first checkpoint (a bad image in epoch 1, say): nothing of it
-    # is continued, so this run may have other flags (a smaller --batch-size after running out
-    # of memory), and config.json must become this run's. The scripts write config.json when
-    # there is none: it is set aside here and put back if this run fails before writing its own.
+    # Stopped before its first checkpoint (a bad image in epoch 1): nothing of it is continued, so
+    # its flags may change; its config.json, set aside, is put back if this run fails first.
     os.replace(path / "config.json", path / SET_ASIDE)
     print(f"warning: --resume: {path} has no checkpoint (its run stopped before the first "
           f"one): starting it again from step 0", file=sys.stderr, flush=True)
