@@ -114,6 +114,7 @@ HOLD_S = POLL_S + GRACE_S + STORE_S  # at most for process 0's wait for the othe
 # and its death signal is the stop); Kubernetes' 30 s grace and SLURM's KillWait end it first there.
 STOPPING_S = 120.0
 STOPPING = threading.Event()  # set by common.parallel.step_guard as a stop signal comes
+MLFLOW_RUN = []  # the main process's MLflow run and store, on every process (start_run)
 # A process whose heartbeat (its watcher thread's, in the store) stops this long is stalled: the one
 # before it says so and the job ends, not at --dist-timeout (a quarter of it if less, 10 s at least:
 # _stall_s). A long evaluation, checkpoint or compile is no silence: the loop does not beat.
@@ -355,11 +356,14 @@ def ignore_the_launchers_stop() -> None:
 
 def end_tracking(accelerator, stopped: bool = False) -> None:
     """Finish the job's trackers as failed, or as ``stopped`` with a checkpoint to resume, from any
-    thread: wandb records a run that nothing finished as exit code 0, a success, and Accelerate's
-    MLflow finish() as FINISHED. Failed: wandb's exit code 1, MLflow's FAILED; stopped: wandb's run
-    marked preempting (exit code 0: a resume continues it), MLflow's KILLED. TensorBoard's finish()
-    flushes its events. Only the main process has trackers; a no-op before they start."""
+    thread (wandb would record a run nothing finished as a success, MLflow as FINISHED): wandb's
+    exit code 1, MLflow's FAILED; stopped: wandb's run marked preempting (exit code 0: a resume
+    continues it), MLflow's KILLED. TensorBoard's finish() flushes its events. The main process has
+    the trackers; the others end its MLflow run too (it may be dead: SIGKILL, out of memory)."""
     status = "KILLED" if stopped else "FAILED"
+    if MLFLOW_RUN and not getattr(accelerator, "is_main_process", True):  # it may be gone
+        with suppress(Exception):
+            __import__("mlflow").MlflowClient(MLFLOW_RUN[1]).set_terminated(MLFLOW_RUN[0], status)
     for tracker in getattr(accelerator, "trackers", None) or []:
         with suppress(Exception):  # already failing; tracking must not add to it
             run = getattr(tracker, "run", None)  # Accelerate's WandBTracker holds the wandb Run

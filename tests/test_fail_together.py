@@ -111,6 +111,28 @@ def test_a_process_killed_mid_training_ends_the_other_with_one_line(tmp_path):
     assert not any(sign in job.stderr(0) for sign in ABORTS), job.output()
 
 
+def test_the_main_process_killed_leaves_its_mlflow_run_failed_not_running(tmp_path):
+    """Process 0, which holds the MLflow run, SIGKILLed mid-training: process 1, which learnt the run from it at
+    the start, loses it in a collective, says so in one line and marks the run FAILED (before: RUNNING for
+    ever)."""
+    from mlflow.tracking import MlflowClient
+
+    job = Processes("train_ddp.py", "--dataset", "synthetic", "--synthetic-train-size", "4096",
+                    "--synthetic-test-size", "64", "--model", "resnet20", "--batch-size", "16", "--epochs", "1",
+                    "--report-to", "mlflow", "--output-dir", tmp_path / "run", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not re.search(r"epoch 1/1: .*\| [1-9]\d*/", job.stderr(0)):  # training has started
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.output()
+        time.sleep(0.1)
+    job.procs[0].send_signal(signal.SIGKILL)
+    assert job.wait() == [-signal.SIGKILL, 1], job.output()
+    [line] = lines(job.stderr(1))
+    assert line.startswith("error: process 1 lost another process of the job in a collective"), line
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"
+
+
 @contextmanager
 def launchers_store():
     """A store hosted by a process of its own, as torchrun's agent hosts one for its workers

@@ -11,12 +11,10 @@ loss, lr and img/s and every epoch's metrics.jsonl row, at the global optimizer 
 - TensorBoard: event files in --output-dir/tensorboard/<project>/ (TENSORBOARD_DIR), written
   offline; a resumed run adds its own file to the same folder.
 - MLflow: one run per job, in the SQLite store --output-dir/mlflow.db (MLFLOW_DB) unless
-  MLFLOW_TRACKING_URI is set, which then wins: MLflow's own default would put the store in the
-  working directory. The run id is kept in the training state, as wandb's is.
+  MLFLOW_TRACKING_URI says where (not MLflow's default: the working directory); its id kept too.
 
-A tracker not installed is one warning line naming its pip command (Accelerate alone would drop it
-with a debug message). A tracking failure, a wandb or MLflow server that does not answer in time
-(START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT) included, is one warning; training goes on without tracking.
+A tracker not installed is one warning naming its pip command (Accelerate would drop it quietly); so
+is a tracking failure (a server silent past START_TIMEOUT, MLFLOW_REQUEST_TIMEOUT): training goes on
 """
 
 import logging
@@ -33,7 +31,7 @@ import torch
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, get_available_trackers
 
 from common.errors import first_line
-from common.failures import main_alone
+from common.failures import MLFLOW_RUN, from_main, main_alone
 from common.observe.utilisation import DataWait, GpuBusy, utilisation_figures
 from common.run.record import flat_config, write_config, write_metrics
 
@@ -60,9 +58,8 @@ def has_wandb_credentials() -> bool:
 
 def installed_trackers(report_to: list[str]) -> list | None:
     """``Accelerator(log_with=...)`` for --report-to: the installed trackers (start_tracking warns
-    of the others); None for none. TensorBoard's as Accelerate's tracker object, no folder yet
-    (start_tracking sets it): Accelerator() wants a named tracker's folder at once (a ValueError),
-    and the run folder is known only once locked (common.run.folder), later than Accelerator()."""
+    of the others); None for none. TensorBoard's without its folder (start_tracking sets it): the
+    run folder is known once locked (common.run.folder), after Accelerator(), which wants it."""
     available = {str(tracker) for tracker in get_available_trackers()}  # "none" is no tracker
     return [TensorBoardTracker(DEFAULT_PROJECT, logging_dir=None) if name == "tensorboard"
             else name for name in dict.fromkeys(report_to) if name in available] or None
@@ -72,9 +69,7 @@ def start_tracking(accelerator, config: dict, output_dir: Path, progress,
                    project: str | None = None, name: str | None = None,
                    tags: list[str] | None = None, group: str | None = None) -> None:
     """Start (or, on resume, continue) the job's tracker runs, those of ``accelerator.log_with``
-    (installed_trackers); a tracker that --report-to names (``config["args"]``) but that is not
-    installed gets one warning line.
-
+    (installed_trackers); one that --report-to names but is not installed gets a warning line.
     ``project`` (wandb's project, MLflow's experiment, TensorBoard's folder), ``name``, ``tags`` and
     ``group`` win over WANDB_PROJECT / WANDB_NAME / WANDB_TAGS / WANDB_RUN_GROUP only when given, so
     those keep working; so do WANDB_DIR, MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME."""
@@ -131,6 +126,9 @@ def start_run(accelerator, script: str, args, config: dict, output_dir: Path, pr
     with main_alone(accelerator, "trackers-started", 2 * START_TIMEOUT):  # beyond --dist-timeout
         start_tracking(accelerator, config, output_dir, progress, project=args.wandb_project,
                        name=args.run_name, tags=args.wandb_tags, group=args.wandb_group)
+    mlflow = [(t.active_run.info.run_id, os.environ["MLFLOW_TRACKING_URI"])  # all end it
+              for t in accelerator.trackers if t.name == "mlflow"]  # (common.failures.end_tracking)
+    MLFLOW_RUN[:] = from_main(accelerator, mlflow[0] if mlflow else ())
     accelerator.print(start_line(script, where, config, data_line, output_dir))
 
 
@@ -186,8 +184,7 @@ def run_folder_mlflow_uri(output_dir: Path) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / MLFLOW_DB}"
 
 
-def _say_where(accelerator, names: list[str], output_dir: Path, project: str,
-               offline: bool) -> None:
+def _say_where(accelerator, names: list[str], output_dir: Path, project: str, offline: bool):
     """One line for each tracker that writes into the run folder unasked: where, how to see it."""
     if offline:
         run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent

@@ -17,10 +17,9 @@ import torch
 from common.failures import BEAT, STOPPING, end_tracking, ignore_the_launchers_stop, watch_failures
 from common.run.checkpoints import latest_good_checkpoint
 
-# The signals that ask a run to stop and save: SLURM (scancel, preemption, --signal), Kubernetes and
-# torchrun/accelerate launch, which pass on the SIGTERM they get, send SIGTERM; SLURM jobs often ask
-# for SIGUSR1 ahead of their time limit; Ctrl-C sends SIGINT, and a closed terminal or a dropped ssh
-# session SIGHUP. Each saves the step, exactly as SIGTERM does.
+# The signals that ask a run to stop and save the step: SIGTERM (SLURM's scancel and preemption,
+# Kubernetes, the launchers passing theirs on), SIGUSR1 (SLURM's --signal ahead of its time limit),
+# SIGINT (Ctrl-C), SIGHUP (a closed terminal, a dropped ssh session).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: stopped to be continued, not failed
 DIVERGED_EXIT_CODE = 1
