@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # value of a flag wins, e.g. make demo ARGS="--epochs 2 --model resnet32".
 ARGS ?=
 
-.PHONY: demo test test-floor ddp bench gpu-check gpu-wheels diffs clean
+.PHONY: demo test test-floor test-cluster ddp bench gpu-check gpu-wheels diffs clean
 
 $(BIN)/.installed: requirements.txt requirements-optional.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,7 +71,17 @@ test: $(BIN)/.installed
 	@command -v ip > /dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get > /dev/null \
 		|| (apt-get update -qq && apt-get install -y -qq iproute2 > /dev/null) || true
 	$(BIN)/python -m compileall -q common bench scripts > /dev/null
-	$(BIN)/python -m pytest -q -n 3
+	$(BIN)/python -m pytest -q -m "not cluster" -n 3
+
+# The tests marked cluster, which make test leaves out: slurm_2nodes.sh under a real SLURM on a
+# cluster of two nodes made on this machine (accelerate_configs/slurm_cluster.py; 2.5 to 3.5
+# minutes on 2 cores), and the faults between nodes. They need root and network namespaces;
+# Debian's SLURM, munge and iproute2 are installed where root can, else they skip and say why.
+test-cluster: $(BIN)/.installed
+	@dpkg -s slurmd slurmctld slurm-client munge iproute2 > /dev/null 2>&1 || [ "$$(id -u)" != 0 ] \
+		|| ! command -v apt-get > /dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq slurmd slurmctld slurm-client munge iproute2 > /dev/null) || true
+	$(BIN)/python -m pytest -q -m cluster -p no:cacheprovider $(shell grep -l "mark.cluster" tests/test_*.py)
 
 # The floors of requirements.txt and requirements-optional.txt, each a version a test ran
 # (docs/install.md): uv installs the lowest versions the files allow (pip has no such mode) into

@@ -1,6 +1,10 @@
 #!/bin/bash
 # Two nodes of 4 GPUs under SLURM: one `accelerate launch` per node, each starting 4 DDP processes.
 #   sbatch accelerate_configs/slurm_2nodes.sh --model resnet50 --batch-size 1024
+# Another GPU count: sbatch --gpus-per-node=8 ... (each node starts a process per GPU it is given);
+# --gpus-per-node=0 starts one process a node, on its CPUs. Rehearse the job on one machine, on a
+# two-node SLURM made there (accelerate_configs/slurm_cluster.py, docs/usage.md), with
+#   sbatch --gpus-per-node=0 --cpus-per-task=1 accelerate_configs/slurm_2nodes.sh ARGS...
 # Arguments go to scripts/train_ddp.py. Run from the project root (the job starts there), with the
 # project's virtual environment active or on PATH. SLURM gives each node its rank (SLURM_NODEID) and
 # the first node of the allocation is the rendezvous host, so nothing in the config needs editing.
@@ -30,7 +34,12 @@
 #SBATCH --signal=B:USR1@300
 set -euo pipefail
 
-GPUS_PER_NODE=4
+# The GPUs SLURM gave each node (--gpus-per-node above; a typed request, a100:4, is read after its
+# colon), or GPUS_PER_NODE=N from the submitting shell (sbatch passes it on). 0: one process on
+# the node's CPUs.
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-4}}
+GPUS_PER_NODE=${GPUS_PER_NODE##*:}
+PROCESSES_PER_NODE=$((GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1))
 # sed, not head: sed reads the whole list, head stops early and may leave scontrol a SIGPIPE,
 # which pipefail turns into the job's failure.
 MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
@@ -45,14 +54,17 @@ PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 # After passing a signal on, the launcher waits this long for its workers, then SIGKILLs them
 # (default 30 s). Less than the 300 s above: the workers end before the time limit.
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=240
-export GPUS_PER_NODE MAIN_ADDR MAIN_PORT OUTPUT_DIR
+export PROCESSES_PER_NODE MAIN_ADDR MAIN_PORT OUTPUT_DIR
 export PET_SIGNALS_TO_HANDLE TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# The interface the nodes reach each other on, if their names resolve to 127.0.1.1 or the first
+# interface is not theirs (docs/usage.md, Accelerate configs): export NCCL_SOCKET_IFNAME=ib0 (or
+# GLOO_SOCKET_IFNAME on CPUs) here, before srun, which passes the environment on.
 
 # Single quotes: SLURM_NODEID must be read on each node, not here on the first one. exec: the
 # launcher itself is srun's task. In the background (&): bash runs a trap only between commands,
 # and `wait` is one that a signal cuts short.
 srun bash -c 'exec accelerate launch --config_file accelerate_configs/2nodes_4gpu.yaml \
-    --num_machines "$SLURM_NNODES" --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+    --num_machines "$SLURM_NNODES" --num_processes $((SLURM_NNODES * PROCESSES_PER_NODE)) \
     --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" \
     scripts/train_ddp.py --output-dir "$OUTPUT_DIR" "$@"' bash "$@" &
 srun_pid=$!

@@ -63,7 +63,9 @@ LAUNCHING_TESTS = {
 OWN_PORTS = {
     "test_ddp_lesson": None,  # torchrun --standalone
     "test_kubernetes": None,
-    "test_nodes": None,  # in network namespaces of their own: their ports are their own  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
+    "test_nodes": None,
+    "test_cluster_faults": None,  # the nodes' own network namespaces, as test_nodes
+    "test_cluster_slurm": None,  # sbatch on nodes of its own; the reference run on a free port  # in network namespaces of their own: their ports are their own  # the pods' PET_MASTER_PORT is a free port; torchrun's wait --standalone
     # accelerate launch --num_processes 1 runs the script itself: no rendezvous, no port
     "test_fault_tolerance": {"test_killing_the_launcher_of_one_process_stops_the_training_process_with_a_checkpoint"},
     "test_fail_together": {"test_a_node_killed_during_start_up_ends_the_other_node_with_one_line"},  # a free port

@@ -378,7 +378,8 @@ def test_the_launcher_passes_sigusr1_on_only_through_pet_signals_to_handle(varia
 
 # --------------------------------------------------------------------------------------- SLURM
 # accelerate_configs/slurm_2nodes.sh run as sbatch would start it, with srun, scontrol and accelerate
-# replaced by stand-ins on PATH: no training, only what the script passes on and decides.
+# replaced by stand-ins on PATH: no training, only what the script passes on and decides. The real
+# thing, under sbatch on a two-node SLURM, is tests/test_cluster_slurm.py (make test-cluster).
 
 FAKE_SRUN = """#!/bin/bash
 # srun on one node: runs its task and passes SIGUSR1 on to it, as srun does to its step's processes.
@@ -461,6 +462,7 @@ def sbatch_option(name: str) -> str:
     return value
 
 
+# Stays beside tests/test_cluster_slurm.py's real SLURM, which runs only the installed Accelerate's exit code, on CPUs.
 @pytest.mark.parametrize("stop_exit", LAUNCHER_STOPPED)
 def test_the_slurm_script_saves_before_the_time_limit_and_requeues(stop_exit, fake_slurm, tmp_path):
     """Whichever way the launcher ends after passing SIGUSR1 on (LAUNCHER_STOPPED), the job is requeued
@@ -487,6 +489,7 @@ def test_the_slurm_script_saves_before_the_time_limit_and_requeues(stop_exit, fa
     assert folder == "runs/train-ddp-4242" and requeued["args"] == args
 
 
+# Stays: a real SLURM's signal, on slurmctld's 30 s tick, cannot be made to land just after the final weights.
 def test_the_slurm_script_requeues_neither_a_finished_nor_a_failed_job(fake_slurm, tmp_path):
     code, output, launcher, asked = sbatch(fake_slurm, tmp_path / "finished", "finish")
     assert (code, asked, launcher["signals"]) == (0, [], []), output

@@ -2,7 +2,8 @@
 a hosts file each, joined by a bridge, with no route out. A launch across two of them trains as one machine
 does; a node whose name resolves to a loopback address (the hostname trap) is refused in one line whose
 advice then trains; the nodes go down leaving no namespace, hosts file or process. Skipped, with the
-reason, where namespaces cannot be made (not root, not Linux, no iproute2).
+reason, where namespaces cannot be made (not root, not Linux, no iproute2). The launch of four processes
+across two nodes and the nodes that share no disk are marked cluster: `make test-cluster` runs them.
 """
 
 import subprocess
@@ -49,16 +50,18 @@ def torchrun(rank: int) -> list[str]:
 
 
 def launch_on_both(prefix: str, out: Path, *extra, env_extra=None, launcher=accelerate_launch,
-                   own_disk: Path | None = None) -> list[subprocess.Popen]:
+                   own_disk: Path | None = None, nodes_launched=(0, 1), rdzv_timeout=None) -> list[subprocess.Popen]:
     """train_ddp.py on node1 (machine rank 0) and node2 under ``launcher``, BatchNorm frozen (the agreement
     flags): started, not waited for. ``own_disk``: node2 has a disk of its own there (a tmpfs), as nodes that
-    share no disk do."""
+    share no disk do. ``nodes_launched``: the machine ranks launched; ``rdzv_timeout``: the launcher's bound
+    on its wait for the others (--rdzv_conf timeout=N)."""
     env = user_env(WANDB_MODE="offline", CIFAR_CACHE_DIR=str(out.parent / ".cache"), **(env_extra or {}))
     mount = ["sh", "-c", f'mount -t tmpfs node2-disk {own_disk} && exec "$@"', "sh"] if own_disk else []
+    bound = ["--rdzv_conf", f"timeout={rdzv_timeout}"] if rdzv_timeout else []
     return [subprocess.Popen(nodes.command(rank + 1, [
-        *mount * rank, *launcher(rank), FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE, *UNTRACKED,
-        *extra, "--output-dir", str(out)], prefix=prefix), cwd=out.parent.parent, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        *mount * rank, *launcher(rank), *bound, FROZEN_BN, str(ROOT / "scripts" / "train_ddp.py"), *AGREE,
+        *UNTRACKED, *extra, "--output-dir", str(out)], prefix=prefix), cwd=out.parent.parent, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in nodes_launched]
 
 
 def test_each_node_has_its_name_and_address_and_no_route_out(made):
@@ -96,6 +99,7 @@ def test_a_node_whose_name_resolves_to_a_loopback_address_is_refused_and_the_adv
     assert max_difference(weights(out), one_process) < 1e-5
 
 
+@pytest.mark.cluster  # make test-cluster: CI runs it after the suite
 def test_two_nodes_of_two_processes_under_torchrun_checkpoint_and_resume_as_one_machine(made, one_process, tmp_path):
     """torchrun --nnodes 2 --nproc-per-node 2, c10d's rendezvous on node1: four processes, 16 images each, train
     to the weights of one process at the global batch of 64, with checkpoints holding all four processes' states;
@@ -117,6 +121,7 @@ def test_two_nodes_of_two_processes_under_torchrun_checkpoint_and_resume_as_one_
     assert max_difference(weights(resumed), one_process) < 1e-5
 
 
+@pytest.mark.cluster  # make test-cluster: CI runs it after the suite
 def test_a_run_folder_that_the_nodes_do_not_share_is_refused_in_one_line(made, tmp_path):
     """Node 2 with a disk of its own where node 1 writes the run: its process would write its part of each
     checkpoint where node 1 never reads it. Every process ends before the first step, the line naming the
