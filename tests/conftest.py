@@ -1,6 +1,9 @@
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 # `make test` runs the suite on 3 pytest-xdist workers (2 cores): much of a test's time is a process
@@ -109,6 +112,16 @@ def launcher_of(command) -> str | None:
     return None
 
 
+@contextmanager
+def default_ports():
+    """The launchers' default ports held by one test at a time on this machine, across suites: a second
+    suite beside this one (another clone's, CI's) would launch its jobs there too, and two jobs meet at
+    29500. A lock file every suite shares, taken for the test's setup, run and teardown."""
+    with open(Path(tempfile.gettempdir()) / "multigpu-cifar-tests-default-ports.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        yield
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test outside the lists above that starts a launcher (in its setup too), cold or forked from
@@ -134,7 +147,8 @@ def pytest_runtest_protocol(item, nextitem):
     if zygote:
         zygote.start = guarded_fork
     try:
-        return (yield)
+        with default_ports() if launches(item.nodeid) else nullcontext():
+            return (yield)
     finally:
         subprocess.Popen.__init__ = popen
         if zygote:

@@ -14,6 +14,7 @@ missing, without them. 2.5 to 3.5 minutes on 2 cores, the busier the longer. Run
 time limit's timeline.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(WHY_NOT is not None, reason=f"no SLURM cluster here: {WHY_NOT}")]
 BIN = Path(sys.executable).parent
 # A cluster of the tests' own: a user's rehearsal cluster (mgcs-, /run/mgc-slurm) is left alone.
-PREFIX, STATE = "mgct", Path("/run/mgc-slurm-test")
+PREFIX, STATE = f"mgct{os.getpid()}", Path(f"/run/mgc-slurm-test-{os.getpid()}")  # another suite's beside
 # 40 steps an epoch, 320 in all, a checkpoint every 16. The time limit's signal comes at
 # slurmctld's check every 30 s, so the job must still train 30 s after its limit is shortened (at
 # step 16): 320 steps took 40 s on 2 idle cores (8 a second), 60 to 100 s on busy ones.

@@ -6,6 +6,7 @@ reason, where namespaces cannot be made (not root, not Linux, no iproute2). The 
 across two nodes and the nodes that share no disk are marked cluster: `make test-cluster` runs them.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,12 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def made(request):
-    """Nodes made by the test, prefixes of its own (a user's nodes are left alone): taken down whatever
-    happened."""
+    """Nodes made by the test, prefixes of its own (a user's nodes, and another suite's running beside, are left
+    alone: the prefix ends with the pid): taken down whatever happened."""
     prefixes = []
 
     def make(count: int, prefix: str, **kwargs) -> str:
+        prefix = f"{prefix}{os.getpid()}"
         prefixes.append(prefix)
         nodes.up(count, prefix=prefix, **kwargs)
         return prefix
@@ -105,7 +107,7 @@ def test_two_nodes_of_two_processes_under_torchrun_checkpoint_and_resume_as_one_
     to the weights of one process at the global batch of 64, with checkpoints holding all four processes' states;
     a new launch across the nodes resumed from step 2's checkpoint, into a new folder, ends with the same
     weights."""
-    prefix = made(2, "mgct")
+    prefix = made(2, "mgcu")
     out, resumed = tmp_path / "runs" / "run", tmp_path / "runs" / "resumed"
     out.parent.mkdir()
     done = [node.communicate(timeout=300)[0] for node in launch_on_both(
